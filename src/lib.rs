@@ -1,0 +1,9 @@
+//! kvkit: KV-cache-aware routing of LLM requests, and a fleet simulator that routes with the
+//! same code.
+//!
+//! This facade re-exports the workspace's crates:
+//!
+//! - [`kvblock`]: token ids to chained XXH3-64 block hashes.
+#![deny(missing_docs)]
+
+pub use kvblock;
