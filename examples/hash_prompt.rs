@@ -34,8 +34,14 @@ fn main() {
     for turn in prompt.chunks(37) {
         incremental.extend(seq.extend(turn));
     }
-    assert_eq!(incremental, hashes, "incremental hashing must equal batch hashing");
-    println!("incremental hashing in 37-token turns gives the same {} hashes", incremental.len());
+    assert_eq!(
+        incremental, hashes,
+        "incremental hashing must equal batch hashing"
+    );
+    println!(
+        "incremental hashing in 37-token turns gives the same {} hashes",
+        incremental.len()
+    );
 
     let lora = hasher.with_lora_name("my-lora").sequence_hashes(&prompt);
     if let (Some(a), Some(b)) = (hashes.first(), lora.first()) {

@@ -4,6 +4,8 @@
 //! This facade re-exports the workspace's crates:
 //!
 //! - [`kvblock`]: token ids to chained XXH3-64 block hashes.
+//! - [`kvcache`]: one engine's block cache, and the router's multi-worker cache index.
 #![deny(missing_docs)]
 
 pub use kvblock;
+pub use kvcache;

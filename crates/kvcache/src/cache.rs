@@ -1,0 +1,614 @@
+//! One engine's block cache.
+
+use std::num::NonZeroUsize;
+
+use kvblock::BlockHash;
+
+use crate::hasher::Map;
+use crate::{Error, KvEvent};
+
+const NIL: u32 = u32::MAX;
+/// Slots are numbered with `u32`; an unbounded cache is bounded by that.
+const MAX_BLOCKS: usize = (u32::MAX - 1) as usize;
+
+#[derive(Debug, Clone)]
+struct Slot {
+    hash: BlockHash,
+    parent: u32,
+    /// Resident blocks that extend this one.
+    children: u32,
+    /// In-flight requests holding this block.
+    pins: u32,
+    /// Resident children with `pins > 0`.
+    pinned_children: u32,
+    prev: u32,
+    next: u32,
+}
+
+/// Counters of a [`BlockCache`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CacheStats {
+    /// Calls to [`BlockCache::lookup`].
+    pub lookups: u64,
+    /// Blocks those lookups found (the sum of the leading runs).
+    pub hit_blocks: u64,
+    /// Blocks stored by inserts.
+    pub blocks_stored: u64,
+    /// Blocks evicted.
+    pub evictions: u64,
+    /// Blocks resident now.
+    pub resident_blocks: usize,
+}
+
+/// One engine's capacity-bounded, content-addressed KV block cache.
+///
+/// - **Matching**: [`match_len`](Self::match_len) is the longest leading run of a prompt's chain
+///   that is resident: one hash probe per matched block plus one.
+/// - **Recency**: an insert touches the whole chain, leaving its leading blocks at least as
+///   recent as its tail; so does releasing the last pin of a block (the request just used it).
+/// - **Eviction**: the least recently used block that is not pinned and that no resident block
+///   extends (tail first). The resident set is therefore always prefix-closed: a block is never
+///   resident without its whole prefix.
+/// - **Pinning**: blocks of in-flight requests are reference counted and never evicted. An insert
+///   or a capacity change that cannot make room fails with [`Error::CapacityExhausted`] and
+///   changes nothing.
+/// - **Events**: every store, eviction and clear is queued as a [`KvEvent`], in order, for
+///   [`drain_events`](Self::drain_events).
+///
+/// ```
+/// use std::num::NonZeroUsize;
+/// use kvblock::BlockHash;
+/// use kvcache::{BlockCache, KvEvent};
+///
+/// let chain = |ids: &[u64]| ids.iter().map(|&i| BlockHash::new(i)).collect::<Vec<_>>();
+/// let mut cache = BlockCache::new(NonZeroUsize::new(3));
+/// cache.insert(&chain(&[1, 2]))?;
+/// cache.insert(&chain(&[3]))?;
+/// assert_eq!(cache.match_len(&chain(&[1, 2, 9])), 2);
+///
+/// cache.insert(&chain(&[4]))?; // full: evicts the least recent leaf, block 2
+/// assert_eq!(cache.match_len(&chain(&[1, 2])), 1);
+///
+/// let events: Vec<KvEvent> = cache.drain_events().collect();
+/// assert_eq!(events.last(), Some(&KvEvent::Stored { parent: None, blocks: chain(&[4]) }));
+/// assert_eq!(events[2], KvEvent::Removed { blocks: chain(&[2]) });
+/// # Ok::<(), kvcache::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct BlockCache {
+    capacity: Option<NonZeroUsize>,
+    map: Map<BlockHash, u32>,
+    slots: Vec<Slot>,
+    free: Vec<u32>,
+    /// Least recently used end of the list of unpinned resident blocks.
+    head: u32,
+    /// Most recently used end.
+    tail: u32,
+    pinned: usize,
+    /// Unpinned blocks with a pinned child: only misuse of `pin`/`unpin` on partial chains
+    /// creates them, and while there are any, the evictable count takes the slow path.
+    broken: usize,
+    events: Vec<KvEvent>,
+    stats: CacheStats,
+    scratch: Vec<u32>,
+}
+
+impl BlockCache {
+    /// A cache of `capacity` blocks; `None` is unbounded (up to 2^32 - 2 blocks).
+    pub fn new(capacity: Option<NonZeroUsize>) -> Self {
+        BlockCache {
+            capacity,
+            map: Map::default(),
+            slots: Vec::new(),
+            free: Vec::new(),
+            head: NIL,
+            tail: NIL,
+            pinned: 0,
+            broken: 0,
+            events: Vec::new(),
+            stats: CacheStats::default(),
+            scratch: Vec::new(),
+        }
+    }
+
+    /// The capacity in blocks (`None`: unbounded).
+    pub fn capacity(&self) -> Option<NonZeroUsize> {
+        self.capacity
+    }
+
+    fn limit(&self) -> usize {
+        self.capacity
+            .map_or(MAX_BLOCKS, |c| c.get().min(MAX_BLOCKS))
+    }
+
+    /// Blocks resident now.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Whether no block is resident.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Resident blocks pinned by in-flight requests.
+    pub fn pinned_blocks(&self) -> usize {
+        self.pinned
+    }
+
+    /// Whether `block` is resident.
+    pub fn contains(&self, block: BlockHash) -> bool {
+        self.map.contains_key(&block)
+    }
+
+    /// How many requests pin `block` (0 when it is not resident).
+    pub fn pin_count(&self, block: BlockHash) -> u32 {
+        self.map
+            .get(&block)
+            .map_or(0, |&s| self.slots[s as usize].pins)
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> CacheStats {
+        CacheStats {
+            resident_blocks: self.map.len(),
+            ..self.stats
+        }
+    }
+
+    /// The longest leading run of `chain` that is resident. Changes nothing, counts nothing.
+    #[inline]
+    pub fn match_len(&self, chain: &[BlockHash]) -> usize {
+        chain
+            .iter()
+            .take_while(|h| self.map.contains_key(*h))
+            .count()
+    }
+
+    /// [`match_len`](Self::match_len), counted in the stats as a lookup.
+    pub fn lookup(&mut self, chain: &[BlockHash]) -> usize {
+        let run = self.match_len(chain);
+        self.stats.lookups += 1;
+        self.stats.hit_blocks += run as u64;
+        run
+    }
+
+    /// Stores a prompt's chain (`chain[0]` starts a prompt): touches its resident leading run and
+    /// stores the rest, evicting as needed. Returns how many blocks were stored.
+    ///
+    /// Fails, changing nothing, when room cannot be made ([`Error::CapacityExhausted`]) or when
+    /// the chain contradicts the cache ([`Error::InconsistentChain`]).
+    pub fn insert(&mut self, chain: &[BlockHash]) -> Result<usize, Error> {
+        // The resident leading run, checked to be the same chain the cache holds.
+        let mut last = NIL;
+        let mut run = 0;
+        for (i, h) in chain.iter().enumerate() {
+            let Some(&s) = self.map.get(h) else { break };
+            if self.slots[s as usize].parent != last {
+                return Err(Error::InconsistentChain {
+                    block: *h,
+                    position: i,
+                    why: "is resident under a different parent",
+                });
+            }
+            last = s;
+            run += 1;
+        }
+        let new = &chain[run..];
+        if new.is_empty() {
+            self.touch_chain(chain);
+            return Ok(0);
+        }
+        // Reserve the new keys; a key already present is a duplicate or a block after a gap.
+        for (j, h) in new.iter().enumerate() {
+            if let hashbrown::hash_map::Entry::Vacant(v) = self.map.entry(*h) {
+                v.insert(NIL);
+            } else {
+                let why = if new[..j].contains(h) {
+                    "appears twice"
+                } else {
+                    "is resident after a block that is not"
+                };
+                self.unreserve(&new[..j]);
+                return Err(Error::InconsistentChain {
+                    block: *h,
+                    position: run + j,
+                    why,
+                });
+            }
+        }
+        let resident = self.map.len() - new.len();
+        let needed = (resident + new.len()).saturating_sub(self.limit());
+        if needed > 0 {
+            let evictable = self.evictable(last, new.len());
+            if needed > evictable {
+                self.unreserve(new);
+                return Err(self.exhausted(needed, evictable));
+            }
+        }
+        if last != NIL {
+            // The run gains a resident child now, so eviction cannot take it.
+            self.slots[last as usize].children += 1;
+        }
+        self.touch_chain(&chain[..run]);
+        self.evict(needed);
+
+        let mut parent = last;
+        for (j, &h) in new.iter().enumerate() {
+            let slot = Slot {
+                hash: h,
+                parent,
+                children: u32::from(j + 1 < new.len()),
+                pins: 0,
+                pinned_children: 0,
+                prev: NIL,
+                next: NIL,
+            };
+            let s = match self.free.pop() {
+                Some(s) => {
+                    self.slots[s as usize] = slot;
+                    s
+                }
+                None => {
+                    self.slots.push(slot);
+                    (self.slots.len() - 1) as u32
+                }
+            };
+            if let Some(v) = self.map.get_mut(&h) {
+                *v = s;
+            }
+            parent = s;
+        }
+        self.touch_chain(chain);
+        self.stats.blocks_stored += new.len() as u64;
+        self.events.push(KvEvent::Stored {
+            parent: run.checked_sub(1).map(|i| chain[i]),
+            blocks: new.to_vec(),
+        });
+        Ok(new.len())
+    }
+
+    /// Pins the resident leading run of `chain` for an in-flight request (reference counted).
+    /// Returns the run's length. Blocks after the run are not pinned.
+    pub fn pin(&mut self, chain: &[BlockHash]) -> usize {
+        let mut n = 0;
+        for h in chain {
+            let Some(&s) = self.map.get(h) else { break };
+            self.pin_slot(s);
+            n += 1;
+        }
+        n
+    }
+
+    /// Releases one pin from each block of the leading run of `chain` that is resident and
+    /// pinned; a block whose last pin goes counts as used now. Returns how many were released.
+    pub fn unpin(&mut self, chain: &[BlockHash]) -> usize {
+        let mut scratch = std::mem::take(&mut self.scratch);
+        scratch.clear();
+        for h in chain {
+            match self.map.get(h) {
+                Some(&s) if self.slots[s as usize].pins > 0 => scratch.push(s),
+                _ => break,
+            }
+        }
+        // Tail first, so the leading blocks end up the most recent.
+        for &s in scratch.iter().rev() {
+            self.unpin_slot(s);
+        }
+        let n = scratch.len();
+        self.scratch = scratch;
+        n
+    }
+
+    /// Changes the capacity, evicting down to it. Fails, changing nothing, when the pinned
+    /// blocks alone exceed it.
+    pub fn set_capacity(&mut self, capacity: Option<NonZeroUsize>) -> Result<(), Error> {
+        let limit = capacity.map_or(MAX_BLOCKS, |c| c.get().min(MAX_BLOCKS));
+        let needed = self.map.len().saturating_sub(limit);
+        if needed > 0 {
+            let evictable = self.evictable(NIL, 0);
+            if needed > evictable {
+                return Err(Error::CapacityExhausted {
+                    needed,
+                    evictable,
+                    capacity: limit,
+                    pinned: self.pinned,
+                });
+            }
+        }
+        self.capacity = capacity;
+        self.evict(needed);
+        Ok(())
+    }
+
+    /// Drops every block and queues [`KvEvent::Cleared`]. Fails while any block is pinned.
+    pub fn clear(&mut self) -> Result<usize, Error> {
+        if self.pinned > 0 {
+            return Err(Error::Pinned {
+                pinned: self.pinned,
+            });
+        }
+        let n = self.map.len();
+        self.map.clear();
+        self.slots.clear();
+        self.free.clear();
+        self.head = NIL;
+        self.tail = NIL;
+        self.broken = 0;
+        self.events.push(KvEvent::Cleared);
+        Ok(n)
+    }
+
+    /// The queued events, oldest first; they are removed as the iterator is consumed.
+    pub fn drain_events(&mut self) -> std::vec::Drain<'_, KvEvent> {
+        self.events.drain(..)
+    }
+
+    /// Events queued and not yet drained.
+    pub fn pending_events(&self) -> usize {
+        self.events.len()
+    }
+
+    fn exhausted(&self, needed: usize, evictable: usize) -> Error {
+        Error::CapacityExhausted {
+            needed,
+            evictable,
+            capacity: self.limit(),
+            pinned: self.pinned,
+        }
+    }
+
+    fn unreserve(&mut self, keys: &[BlockHash]) {
+        for h in keys {
+            self.map.remove(h);
+        }
+    }
+
+    /// Blocks eviction could remove, one after another, without touching `protect` or its prefix.
+    /// `reserved` map entries are keys of an insert in progress, not resident blocks.
+    fn evictable(&self, protect: u32, reserved: usize) -> usize {
+        let resident = self.map.len() - reserved;
+        if self.broken == 0 {
+            // Pins cover whole prefixes, so every unpinned block outside the protected path can go.
+            let mut on_path = 0;
+            let mut s = protect;
+            while s != NIL {
+                let slot = &self.slots[s as usize];
+                on_path += usize::from(slot.pins == 0);
+                s = slot.parent;
+            }
+            return resident - self.pinned - on_path;
+        }
+        // Slow path: mark every block that is pinned, protected, or an ancestor of one.
+        let mut held = vec![false; self.slots.len()];
+        let mut count = 0;
+        let starts = self
+            .map
+            .values()
+            .copied()
+            .filter(|&s| s != NIL && self.slots[s as usize].pins > 0)
+            .chain((protect != NIL).then_some(protect));
+        for start in starts {
+            let mut s = start;
+            while s != NIL && !held[s as usize] {
+                held[s as usize] = true;
+                count += 1;
+                s = self.slots[s as usize].parent;
+            }
+        }
+        resident - count
+    }
+
+    /// Evicts `n` blocks (the caller checked they are evictable) and queues one `Removed` event.
+    fn evict(&mut self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let mut removed = Vec::with_capacity(n);
+        for _ in 0..n {
+            // The list is ordered by recency; with whole-prefix pins its head is always a leaf.
+            let mut s = self.head;
+            while s != NIL && self.slots[s as usize].children > 0 {
+                s = self.slots[s as usize].next;
+            }
+            if s == NIL {
+                break; // unreachable after the caller's check; nothing more to take
+            }
+            self.unlink(s);
+            let slot = &self.slots[s as usize];
+            let (hash, parent) = (slot.hash, slot.parent);
+            if parent != NIL {
+                self.slots[parent as usize].children -= 1;
+            }
+            self.map.remove(&hash);
+            self.free.push(s);
+            removed.push(hash);
+        }
+        self.stats.evictions += removed.len() as u64;
+        self.events.push(KvEvent::Removed { blocks: removed });
+    }
+
+    /// Makes the unpinned blocks of `chain` (all resident) the most recent, tail first.
+    fn touch_chain(&mut self, chain: &[BlockHash]) {
+        for h in chain.iter().rev() {
+            if let Some(&s) = self.map.get(h) {
+                if self.slots[s as usize].pins == 0 {
+                    self.unlink(s);
+                    self.push_mru(s);
+                }
+            }
+        }
+    }
+
+    fn pin_slot(&mut self, s: u32) {
+        let slot = &mut self.slots[s as usize];
+        slot.pins += 1;
+        if slot.pins > 1 {
+            return;
+        }
+        let (had_pinned_children, parent) = (slot.pinned_children > 0, slot.parent);
+        self.unlink(s);
+        self.pinned += 1;
+        if had_pinned_children {
+            self.broken -= 1;
+        }
+        if parent != NIL {
+            let p = &mut self.slots[parent as usize];
+            p.pinned_children += 1;
+            if p.pins == 0 && p.pinned_children == 1 {
+                self.broken += 1;
+            }
+        }
+    }
+
+    fn unpin_slot(&mut self, s: u32) {
+        let slot = &mut self.slots[s as usize];
+        slot.pins -= 1;
+        if slot.pins > 0 {
+            return;
+        }
+        let (has_pinned_children, parent) = (slot.pinned_children > 0, slot.parent);
+        self.push_mru(s);
+        self.pinned -= 1;
+        if has_pinned_children {
+            self.broken += 1;
+        }
+        if parent != NIL {
+            let p = &mut self.slots[parent as usize];
+            p.pinned_children -= 1;
+            if p.pins == 0 && p.pinned_children == 0 {
+                self.broken -= 1;
+            }
+        }
+    }
+
+    fn unlink(&mut self, s: u32) {
+        let (prev, next) = {
+            let slot = &self.slots[s as usize];
+            (slot.prev, slot.next)
+        };
+        if prev == NIL && next == NIL && self.head != s {
+            return; // not in the list
+        }
+        if prev == NIL {
+            self.head = next;
+        } else {
+            self.slots[prev as usize].next = next;
+        }
+        if next == NIL {
+            self.tail = prev;
+        } else {
+            self.slots[next as usize].prev = prev;
+        }
+        let slot = &mut self.slots[s as usize];
+        slot.prev = NIL;
+        slot.next = NIL;
+    }
+
+    fn push_mru(&mut self, s: u32) {
+        let old = self.tail;
+        {
+            let slot = &mut self.slots[s as usize];
+            slot.prev = old;
+            slot.next = NIL;
+        }
+        if old == NIL {
+            self.head = s;
+        } else {
+            self.slots[old as usize].next = s;
+        }
+        self.tail = s;
+    }
+
+    /// Resident blocks from least to most recently used, pinned ones excluded. For tests.
+    #[doc(hidden)]
+    pub fn recency_order(&self) -> Vec<BlockHash> {
+        let mut out = Vec::new();
+        let mut s = self.head;
+        while s != NIL {
+            out.push(self.slots[s as usize].hash);
+            s = self.slots[s as usize].next;
+        }
+        out
+    }
+
+    /// Checks every internal invariant; property tests call it after every step.
+    #[doc(hidden)]
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let n = self.slots.len();
+        let mut resident = vec![false; n];
+        for (h, &s) in &self.map {
+            let slot = self
+                .slots
+                .get(s as usize)
+                .ok_or_else(|| format!("{h} maps to missing slot {s}"))?;
+            if slot.hash != *h {
+                return Err(format!("{h} maps to slot {s} holding {}", slot.hash));
+            }
+            resident[s as usize] = true;
+        }
+        for &f in &self.free {
+            if resident[f as usize] {
+                return Err(format!("slot {f} is both free and resident"));
+            }
+        }
+        if self.map.len() + self.free.len() != n {
+            return Err("slots leak".into());
+        }
+        if self.map.len() > self.limit() {
+            return Err(format!(
+                "{} resident > capacity {}",
+                self.map.len(),
+                self.limit()
+            ));
+        }
+        let mut children = vec![0u32; n];
+        let mut pinned_children = vec![0u32; n];
+        let mut pinned = 0;
+        for s in (0..n).filter(|&s| resident[s]) {
+            let slot = &self.slots[s];
+            pinned += usize::from(slot.pins > 0);
+            if slot.parent != NIL {
+                let p = slot.parent as usize;
+                if !resident.get(p).copied().unwrap_or(false) {
+                    return Err(format!("{} is resident without its parent", slot.hash));
+                }
+                children[p] += 1;
+                pinned_children[p] += u32::from(slot.pins > 0);
+            }
+        }
+        let mut broken = 0;
+        for s in (0..n).filter(|&s| resident[s]) {
+            let slot = &self.slots[s];
+            if slot.children != children[s] || slot.pinned_children != pinned_children[s] {
+                return Err(format!("child counts of {} are wrong", slot.hash));
+            }
+            broken += usize::from(slot.pins == 0 && slot.pinned_children > 0);
+        }
+        if pinned != self.pinned || broken != self.broken {
+            return Err(format!(
+                "pinned {} / broken {} counters, actual {pinned} / {broken}",
+                self.pinned, self.broken
+            ));
+        }
+        let mut listed = 0;
+        let (mut s, mut prev) = (self.head, NIL);
+        while s != NIL {
+            let slot = self.slots.get(s as usize).ok_or("list points outside")?;
+            if !resident[s as usize] || slot.pins > 0 || slot.prev != prev {
+                return Err(format!("list entry {} is wrong", slot.hash));
+            }
+            listed += 1;
+            if listed > n {
+                return Err("list has a cycle".into());
+            }
+            prev = s;
+            s = slot.next;
+        }
+        if prev != self.tail || listed != self.map.len() - self.pinned {
+            return Err("list does not hold exactly the unpinned blocks".into());
+        }
+        Ok(())
+    }
+}
