@@ -1,5 +1,204 @@
-//! The KV-aware routing cost function, in-flight load tracking, the routing policies and the
-//! `Router` facade.
+//! KV-aware request routing: the one cost function, in-flight load tracking, the policies and
+//! the [`Router`] facade.
 //!
-//! This crate is being built; see the workspace README for what exists today.
+//! Every worker streams its KV-cache events to the router, whose [`kvcache::CacheIndex`] mirrors
+//! them. For each request the `Kv` policy scores every worker with [`cost`]:
+//!
+//! ```text
+//! cost(w) = overlap_weight * (request_blocks - cache_hits(w)) + active_blocks(w)
+//! ```
+//!
+//! and the lowest cost wins. `active_blocks(w)` is the number of distinct prompt blocks of the
+//! requests routed to `w` and not yet finished (a prefix shared by several counts once).
+//!
+//! ```
+//! use kvblock::{BlockHash, BlockSize};
+//! use kvcache::{KvEvent, WorkerId};
+//! use kvroute::{Policy, Role, Router};
+//!
+//! let mut router = Router::builder()
+//!     .block_size(BlockSize::new(16)?)
+//!     .policy(Policy::Kv)
+//!     .overlap_weight(1.0)
+//!     .seed(7)
+//!     .build()?;
+//! let (w0, w1) = (WorkerId::new(0), WorkerId::new(1));
+//! router.add_worker(w0);
+//! router.add_worker(w1);
+//!
+//! // Worker 0 reports that it caches an 8-block prefix.
+//! let prompt: Vec<BlockHash> = (1..=10).map(BlockHash::new).collect();
+//! router.apply_event(w0, 0, &KvEvent::Stored { parent: None, blocks: prompt[..8].to_vec() })?;
+//!
+//! let d = router.route(42, &prompt, Role::Unified)?;
+//! assert_eq!((d.worker, d.cache_hits, d.cost), (w0, 8, 2.0));
+//! router.finish(42)?;
+//! assert_eq!(router.cache_view(w0), 8);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! # Concurrency
+//!
+//! A [`Router`] is `Send + Sync` and takes `&mut self` to route, finish and apply events: a
+//! multi-threaded server shares it as `Arc<Mutex<Router>>`, routing and finishing from request
+//! threads and applying events from the event-subscriber thread. Each call holds the lock for
+//! microseconds. See `examples/embed_router.rs`.
 #![deny(missing_docs)]
+
+mod ring;
+mod router;
+
+use std::fmt;
+use std::str::FromStr;
+
+pub use kvcache::WorkerId;
+pub use router::{Candidate, Decision, Router, RouterBuilder};
+
+/// The routing cost of a worker: `overlap_weight * (request_blocks - cache_hits) + active_blocks`.
+///
+/// Lower is better. `request_blocks - cache_hits` is what the worker would have to prefill from
+/// scratch; `active_blocks` is its in-flight load. A weight of 0 is pure load balance; a large
+/// weight is pure locality. `cache_hits` above `request_blocks` counts as a full hit.
+///
+/// ```
+/// // The source document's worked example: W0 (8 hits, 6 active) beats W1 (0 hits, 1 active).
+/// assert_eq!(kvroute::cost(1.0, 10, 8, 6), 8.0);
+/// assert_eq!(kvroute::cost(1.0, 10, 0, 1), 11.0);
+/// ```
+#[inline]
+pub fn cost(
+    overlap_weight: f64,
+    request_blocks: usize,
+    cache_hits: usize,
+    active_blocks: usize,
+) -> f64 {
+    overlap_weight * request_blocks.saturating_sub(cache_hits) as f64 + active_blocks as f64
+}
+
+/// How the router picks a worker.
+///
+/// ```
+/// use kvroute::Policy;
+/// assert_eq!("prefix_aware".parse::<Policy>()?, Policy::PrefixAware);
+/// assert_eq!(Policy::RoundRobin.to_string(), "round_robin");
+/// assert!("fastest".parse::<Policy>().is_err());
+/// # Ok::<(), kvroute::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum Policy {
+    /// Lowest [`cost`] wins, with the weight of the request's role.
+    #[default]
+    Kv,
+    /// A consistent-hash ring (with virtual nodes) over the request's first K blocks, so requests
+    /// with the same leading blocks share a home worker.
+    PrefixAware,
+    /// Each worker in turn, in worker-id order.
+    RoundRobin,
+    /// A uniformly random worker (seeded).
+    Random,
+}
+
+impl Policy {
+    /// Every policy, in the order of the CLI's accepted values.
+    pub const ALL: [Policy; 4] = [
+        Policy::Kv,
+        Policy::PrefixAware,
+        Policy::RoundRobin,
+        Policy::Random,
+    ];
+
+    /// The policy's name as the CLI spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::Kv => "kv",
+            Policy::PrefixAware => "prefix_aware",
+            Policy::RoundRobin => "round_robin",
+            Policy::Random => "random",
+        }
+    }
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Policy {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        Policy::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| Error::UnknownPolicy { got: s.to_string() })
+    }
+}
+
+/// What a request is routed for; prefill and decode may use their own overlap weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Role {
+    /// Prefill and decode on the same worker (the global weight).
+    #[default]
+    Unified,
+    /// A prefill worker of a disaggregated deployment.
+    Prefill,
+    /// A decode worker of a disaggregated deployment.
+    Decode,
+}
+
+/// Errors of this crate. Each names the offending value and what was expected.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Routing with no registered worker.
+    #[error("no worker to route to: add a worker first")]
+    NoWorkers,
+    /// A request id that is already in flight.
+    #[error("request {request_id} is already in flight: finish it before routing the id again")]
+    DuplicateRequest {
+        /// The id.
+        request_id: u64,
+    },
+    /// Finishing a request id that is not in flight (never routed, or already finished).
+    #[error("request {request_id} is not in flight (never routed, or already finished)")]
+    UnknownRequest {
+        /// The id.
+        request_id: u64,
+    },
+    /// An event for a worker the router does not know.
+    #[error("{worker} is not registered: add it before applying its events")]
+    UnknownWorker {
+        /// The worker.
+        worker: WorkerId,
+    },
+    /// A weight that is negative, infinite or not a number.
+    #[error("invalid {name} {value}: expected a finite number >= 0")]
+    InvalidWeight {
+        /// Which weight.
+        name: &'static str,
+        /// The value given.
+        value: f64,
+    },
+    /// A setting outside its range.
+    #[error("invalid {name} {value}: expected {expected}")]
+    InvalidSetting {
+        /// Which setting.
+        name: &'static str,
+        /// The value given.
+        value: u64,
+        /// The accepted range.
+        expected: &'static str,
+    },
+    /// A policy name that does not exist.
+    #[error(
+        "unknown routing policy {got:?}: expected one of kv, prefix_aware, round_robin, random"
+    )]
+    UnknownPolicy {
+        /// The name given.
+        got: String,
+    },
+    /// An event the cache index rejected.
+    #[error(transparent)]
+    Index(#[from] kvcache::Error),
+}

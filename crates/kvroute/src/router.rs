@@ -1,0 +1,518 @@
+//! The `Router` facade: cache index, load tracking and policies behind one call.
+
+use hashbrown::hash_map::Entry;
+use kvblock::{BlockHash, BlockHasher, BlockSize};
+use kvcache::{Applied, CacheIndex, FixedState, KvEvent, Overlaps, WorkerId};
+use rand_core::{RngCore, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
+
+use crate::ring::Ring;
+use crate::{cost, Error, Policy, Role};
+
+type Map<K, V> = hashbrown::HashMap<K, V, FixedState>;
+
+/// The outcome of routing one request.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub struct Decision {
+    /// The chosen worker.
+    pub worker: WorkerId,
+    /// The leading run of the request's blocks the router believes that worker holds.
+    pub cache_hits: usize,
+    /// The chosen worker's [`cost`](crate::cost) with the role's weight (computed for every
+    /// policy, so decisions can be compared).
+    pub cost: f64,
+    /// The request's full blocks.
+    pub request_blocks: usize,
+}
+
+/// One worker's score for a request, as [`Router::explain`] reports it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub struct Candidate {
+    /// The worker.
+    pub worker: WorkerId,
+    /// Its leading-run cache hits.
+    pub cache_hits: usize,
+    /// Its in-flight distinct prompt blocks.
+    pub active_blocks: usize,
+    /// Its cost with the role's weight.
+    pub cost: f64,
+}
+
+/// Builds a [`Router`]; [`build`](Self::build) validates every setting.
+///
+/// Defaults: block size 16, `Kv` policy, overlap weight 1.0, no per-role weights, seed 0,
+/// `PrefixAware` over the first block with 128 virtual nodes per worker.
+#[derive(Debug, Clone)]
+pub struct RouterBuilder {
+    block_size: BlockSize,
+    policy: Policy,
+    overlap_weight: f64,
+    prefill_weight: Option<f64>,
+    decode_weight: Option<f64>,
+    seed: u64,
+    prefix_blocks: usize,
+    virtual_nodes: usize,
+}
+
+impl Default for RouterBuilder {
+    fn default() -> Self {
+        RouterBuilder {
+            block_size: BlockSize::new(16).unwrap_or_else(|_| unreachable!("16 is valid")),
+            policy: Policy::Kv,
+            overlap_weight: 1.0,
+            prefill_weight: None,
+            decode_weight: None,
+            seed: 0,
+            prefix_blocks: 1,
+            virtual_nodes: 128,
+        }
+    }
+}
+
+impl RouterBuilder {
+    /// Tokens per block; must equal the engines' (used by [`Router::route_tokens`]).
+    pub fn block_size(mut self, block_size: BlockSize) -> Self {
+        self.block_size = block_size;
+        self
+    }
+
+    /// The routing policy.
+    pub fn policy(mut self, policy: Policy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// The global overlap weight (locality versus load balance); 0 is pure load balance.
+    pub fn overlap_weight(mut self, weight: f64) -> Self {
+        self.overlap_weight = weight;
+        self
+    }
+
+    /// The weight for [`Role::Prefill`], overriding the global one (typically 20).
+    pub fn prefill_overlap_weight(mut self, weight: f64) -> Self {
+        self.prefill_weight = Some(weight);
+        self
+    }
+
+    /// The weight for [`Role::Decode`], overriding the global one (typically 2).
+    pub fn decode_overlap_weight(mut self, weight: f64) -> Self {
+        self.decode_weight = Some(weight);
+        self
+    }
+
+    /// The seed of tie-breaking and of the `Random` policy.
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// `PrefixAware`: how many leading blocks form the ring key (at least 1).
+    pub fn prefix_blocks(mut self, k: usize) -> Self {
+        self.prefix_blocks = k;
+        self
+    }
+
+    /// `PrefixAware`: virtual nodes per worker on the ring (1 to 65,536).
+    pub fn virtual_nodes(mut self, n: usize) -> Self {
+        self.virtual_nodes = n;
+        self
+    }
+
+    /// Validates the settings and builds the router.
+    pub fn build(self) -> Result<Router, Error> {
+        let check = |name, w: f64| {
+            if w.is_finite() && w >= 0.0 {
+                Ok(w)
+            } else {
+                Err(Error::InvalidWeight { name, value: w })
+            }
+        };
+        check("overlap weight", self.overlap_weight)?;
+        if let Some(w) = self.prefill_weight {
+            check("prefill overlap weight", w)?;
+        }
+        if let Some(w) = self.decode_weight {
+            check("decode overlap weight", w)?;
+        }
+        if self.prefix_blocks == 0 {
+            return Err(Error::InvalidSetting {
+                name: "prefix blocks",
+                value: 0,
+                expected: "at least 1",
+            });
+        }
+        let vnodes = u32::try_from(self.virtual_nodes)
+            .ok()
+            .filter(|v| (1..=65_536).contains(v))
+            .ok_or(Error::InvalidSetting {
+                name: "virtual nodes",
+                value: self.virtual_nodes as u64,
+                expected: "1 to 65536",
+            })?;
+        Ok(Router {
+            hasher: BlockHasher::new(self.block_size),
+            ring: Ring::new(vnodes),
+            rng: Xoshiro256PlusPlus::seed_from_u64(self.seed),
+            config: self,
+            index: CacheIndex::new(),
+            slots: Vec::new(),
+            members: Vec::new(),
+            requests: Map::default(),
+            next_rr: 0,
+            generation: 0,
+            overlaps: Overlaps::new(),
+            scratch: Vec::new(),
+        })
+    }
+}
+
+/// Per-worker in-flight load: reference counts of distinct prompt blocks.
+#[derive(Debug, Clone)]
+struct Load {
+    id: WorkerId,
+    generation: u64,
+    blocks: Map<BlockHash, u32>,
+    requests: usize,
+}
+
+#[derive(Debug, Clone)]
+struct InFlight {
+    slot: usize,
+    generation: u64,
+    blocks: Vec<BlockHash>,
+}
+
+/// A KV-aware router: the mirrored cache index, in-flight load per worker, and a policy.
+///
+/// Routing is deterministic: the same seed and the same calls give the same decisions. Ties are
+/// broken uniformly at random with the seeded generator.
+///
+/// ```
+/// use kvblock::BlockSize;
+/// use kvroute::{Policy, Role, Router, WorkerId};
+///
+/// let mut router = Router::builder().block_size(BlockSize::new(4)?).policy(Policy::RoundRobin).build()?;
+/// for w in 0..3 {
+///     router.add_worker(WorkerId::new(w));
+/// }
+/// let tokens: Vec<u32> = (0..12).collect();
+/// let picks: Vec<u64> = (0..4)
+///     .map(|id| router.route_tokens(id, &tokens, Role::Unified).map(|d| d.worker.get()))
+///     .collect::<Result<_, _>>()?;
+/// assert_eq!(picks, [0, 1, 2, 0]);
+/// assert_eq!(router.active_blocks(WorkerId::new(0)), 3); // two requests, same 3 blocks
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct Router {
+    config: RouterBuilder,
+    hasher: BlockHasher,
+    index: CacheIndex,
+    ring: Ring,
+    rng: Xoshiro256PlusPlus,
+    /// Load by the index's dense worker index.
+    slots: Vec<Option<Load>>,
+    /// Dense indices of registered workers, in worker-id order.
+    members: Vec<usize>,
+    requests: Map<u64, InFlight>,
+    next_rr: usize,
+    generation: u64,
+    overlaps: Overlaps,
+    scratch: Vec<BlockHash>,
+}
+
+impl Router {
+    /// A builder with the defaults.
+    pub fn builder() -> RouterBuilder {
+        RouterBuilder::default()
+    }
+
+    /// The policy in use.
+    pub fn policy(&self) -> Policy {
+        self.config.policy
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> BlockSize {
+        self.config.block_size
+    }
+
+    /// The overlap weight used for `role`.
+    pub fn weight(&self, role: Role) -> f64 {
+        match role {
+            Role::Unified => self.config.overlap_weight,
+            Role::Prefill => self
+                .config
+                .prefill_weight
+                .unwrap_or(self.config.overlap_weight),
+            Role::Decode => self
+                .config
+                .decode_weight
+                .unwrap_or(self.config.overlap_weight),
+        }
+    }
+
+    /// Registers a worker; returns false if it was already registered.
+    pub fn add_worker(&mut self, worker: WorkerId) -> bool {
+        if self
+            .index
+            .worker_index(worker)
+            .is_some_and(|i| self.is_member(i))
+        {
+            return false;
+        }
+        let Ok(i) = self.index.add_worker(worker) else {
+            return false; // 2^32 workers: cannot happen in memory
+        };
+        if self.slots.len() <= i {
+            self.slots.resize(i + 1, None);
+        }
+        self.generation += 1;
+        self.slots[i] = Some(Load {
+            id: worker,
+            generation: self.generation,
+            blocks: Map::default(),
+            requests: 0,
+        });
+        let pos = self
+            .members
+            .partition_point(|&m| self.slots[m].as_ref().is_some_and(|l| l.id < worker));
+        self.members.insert(pos, i);
+        self.ring.add(worker);
+        true
+    }
+
+    /// Removes a worker from the ring, the index and the load tracker; returns whether it was
+    /// registered. Its in-flight requests may still be finished (a no-op for its load).
+    pub fn remove_worker(&mut self, worker: WorkerId) -> bool {
+        let Some(i) = self
+            .index
+            .worker_index(worker)
+            .filter(|&i| self.is_member(i))
+        else {
+            return false;
+        };
+        self.index.remove_worker(worker);
+        self.slots[i] = None;
+        self.members.retain(|&m| m != i);
+        self.ring.remove(worker);
+        true
+    }
+
+    fn is_member(&self, i: usize) -> bool {
+        self.slots.get(i).is_some_and(Option::is_some)
+    }
+
+    /// Registered workers, in id order.
+    pub fn workers(&self) -> Vec<WorkerId> {
+        self.members
+            .iter()
+            .filter_map(|&i| self.load(i).map(|l| l.id))
+            .collect()
+    }
+
+    fn load(&self, i: usize) -> Option<&Load> {
+        self.slots.get(i)?.as_ref()
+    }
+
+    /// Applies one KV event of a registered worker to the cache index.
+    pub fn apply_event(
+        &mut self,
+        worker: WorkerId,
+        event_id: u64,
+        event: &KvEvent,
+    ) -> Result<Applied, Error> {
+        match self.index.worker_index(worker) {
+            Some(i) if self.is_member(i) => Ok(self.index.apply(worker, event_id, event)?),
+            _ => Err(Error::UnknownWorker { worker }),
+        }
+    }
+
+    /// Forgets everything the index holds for `worker` (for example after its publisher
+    /// restarted); returns how many blocks it held.
+    pub fn clear_worker(&mut self, worker: WorkerId) -> usize {
+        self.index.clear_worker(worker)
+    }
+
+    /// The router's view of `worker`'s cache: how many blocks it believes the worker holds.
+    pub fn cache_view(&self, worker: WorkerId) -> usize {
+        self.index.block_count(worker)
+    }
+
+    /// The mirrored cache index.
+    pub fn index(&self) -> &CacheIndex {
+        &self.index
+    }
+
+    /// Distinct in-flight prompt blocks on `worker`.
+    pub fn active_blocks(&self, worker: WorkerId) -> usize {
+        self.worker_load(worker).map_or(0, |l| l.blocks.len())
+    }
+
+    /// In-flight requests on `worker`.
+    pub fn in_flight(&self, worker: WorkerId) -> usize {
+        self.worker_load(worker).map_or(0, |l| l.requests)
+    }
+
+    /// All in-flight requests.
+    pub fn in_flight_total(&self) -> usize {
+        self.requests.len()
+    }
+
+    fn worker_load(&self, worker: WorkerId) -> Option<&Load> {
+        self.load(self.index.worker_index(worker)?)
+    }
+
+    /// Routes request `request_id` with its prompt's block hashes, and records it as in flight on
+    /// the chosen worker until [`finish`](Self::finish).
+    pub fn route(
+        &mut self,
+        request_id: u64,
+        blocks: &[BlockHash],
+        role: Role,
+    ) -> Result<Decision, Error> {
+        if self.members.is_empty() {
+            return Err(Error::NoWorkers);
+        }
+        if self.requests.contains_key(&request_id) {
+            return Err(Error::DuplicateRequest { request_id });
+        }
+        let weight = self.weight(role);
+        let n = blocks.len();
+        self.index.overlaps_into(blocks, &mut self.overlaps);
+        let chosen = match self.config.policy {
+            Policy::Kv => self.lowest_cost(weight, n),
+            Policy::PrefixAware => match Ring::key(blocks, self.config.prefix_blocks) {
+                Some(key) => self
+                    .ring
+                    .owner(key)
+                    .and_then(|w| self.index.worker_index(w))
+                    .unwrap_or(self.members[0]),
+                // No full block: nothing to be consistent about, so spread by turns.
+                None => self.round_robin(),
+            },
+            Policy::RoundRobin => self.round_robin(),
+            Policy::Random => {
+                let k = self.uniform(self.members.len());
+                self.members[k]
+            }
+        };
+        let hits = self.overlaps.run_at(chosen);
+        let (worker, generation, active) = {
+            let load = self.slots[chosen].as_mut().ok_or(Error::NoWorkers)?;
+            let active = load.blocks.len();
+            for &b in blocks {
+                *load.blocks.entry(b).or_insert(0) += 1;
+            }
+            load.requests += 1;
+            (load.id, load.generation, active)
+        };
+        self.requests.insert(
+            request_id,
+            InFlight {
+                slot: chosen,
+                generation,
+                blocks: blocks.to_vec(),
+            },
+        );
+        Ok(Decision {
+            worker,
+            cache_hits: hits,
+            cost: cost(weight, n, hits, active),
+            request_blocks: n,
+        })
+    }
+
+    /// Hashes `tokens` at the router's block size (a partial tail is ignored), then routes.
+    pub fn route_tokens(
+        &mut self,
+        request_id: u64,
+        tokens: &[u32],
+        role: Role,
+    ) -> Result<Decision, Error> {
+        let mut blocks = std::mem::take(&mut self.scratch);
+        blocks.clear();
+        self.hasher.sequence_hashes_into(None, tokens, &mut blocks);
+        let d = self.route(request_id, &blocks, role);
+        self.scratch = blocks;
+        d
+    }
+
+    /// Marks a request finished, releasing its in-flight blocks.
+    pub fn finish(&mut self, request_id: u64) -> Result<(), Error> {
+        let req = self
+            .requests
+            .remove(&request_id)
+            .ok_or(Error::UnknownRequest { request_id })?;
+        if let Some(load) = self.slots.get_mut(req.slot).and_then(Option::as_mut) {
+            if load.generation == req.generation {
+                for b in &req.blocks {
+                    if let Entry::Occupied(mut e) = load.blocks.entry(*b) {
+                        *e.get_mut() -= 1;
+                        if *e.get() == 0 {
+                            e.remove();
+                        }
+                    }
+                }
+                load.requests -= 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every worker's hits, load and cost for a request, in worker-id order, without routing it.
+    pub fn explain(&self, blocks: &[BlockHash], role: Role) -> Vec<Candidate> {
+        let ov = self.index.overlaps(blocks);
+        let weight = self.weight(role);
+        self.members
+            .iter()
+            .filter_map(|&i| {
+                let load = self.load(i)?;
+                let hits = ov.run_at(i);
+                Some(Candidate {
+                    worker: load.id,
+                    cache_hits: hits,
+                    active_blocks: load.blocks.len(),
+                    cost: cost(weight, blocks.len(), hits, load.blocks.len()),
+                })
+            })
+            .collect()
+    }
+
+    fn lowest_cost(&mut self, weight: f64, n: usize) -> usize {
+        let mut best = f64::INFINITY;
+        let mut chosen = self.members[0];
+        let mut ties = 0u64;
+        for k in 0..self.members.len() {
+            let i = self.members[k];
+            let Some(load) = self.slots[i].as_ref() else {
+                continue;
+            };
+            let c = cost(weight, n, self.overlaps.run_at(i), load.blocks.len());
+            if c < best {
+                best = c;
+                chosen = i;
+                ties = 1;
+            } else if c == best {
+                // Reservoir sampling: each tied worker ends up chosen with probability 1/ties.
+                ties += 1;
+                if self.rng.next_u64() % ties == 0 {
+                    chosen = i;
+                }
+            }
+        }
+        chosen
+    }
+
+    fn round_robin(&mut self) -> usize {
+        let i = self.members[self.next_rr % self.members.len()];
+        self.next_rr = (self.next_rr + 1) % self.members.len();
+        i
+    }
+
+    fn uniform(&mut self, n: usize) -> usize {
+        ((u128::from(self.rng.next_u64()) * n as u128) >> 64) as usize
+    }
+}
