@@ -77,7 +77,7 @@ pub struct CacheStats {
 /// ```
 #[derive(Debug, Clone)]
 pub struct BlockCache {
-    capacity: Option<NonZeroUsize>,
+    capacity: Option<usize>,
     map: Map<BlockHash, u32>,
     slots: Vec<Slot>,
     free: Vec<u32>,
@@ -98,7 +98,7 @@ impl BlockCache {
     /// A cache of `capacity` blocks; `None` is unbounded (up to 2^32 - 2 blocks).
     pub fn new(capacity: Option<NonZeroUsize>) -> Self {
         BlockCache {
-            capacity,
+            capacity: capacity.map(NonZeroUsize::get),
             map: Map::default(),
             slots: Vec::new(),
             free: Vec::new(),
@@ -113,13 +113,12 @@ impl BlockCache {
     }
 
     /// The capacity in blocks (`None`: unbounded).
-    pub fn capacity(&self) -> Option<NonZeroUsize> {
+    pub fn capacity(&self) -> Option<usize> {
         self.capacity
     }
 
     fn limit(&self) -> usize {
-        self.capacity
-            .map_or(MAX_BLOCKS, |c| c.get().min(MAX_BLOCKS))
+        self.capacity.map_or(MAX_BLOCKS, |c| c.min(MAX_BLOCKS))
     }
 
     /// Blocks resident now.
@@ -301,10 +300,13 @@ impl BlockCache {
         n
     }
 
-    /// Changes the capacity, evicting down to it. Fails, changing nothing, when the pinned
-    /// blocks alone exceed it.
-    pub fn set_capacity(&mut self, capacity: Option<NonZeroUsize>) -> Result<(), Error> {
-        let limit = capacity.map_or(MAX_BLOCKS, |c| c.get().min(MAX_BLOCKS));
+    /// Changes the capacity in blocks (`None`: unbounded; 0 holds nothing), evicting down to it.
+    /// Fails, changing nothing, when the blocks that cannot be evicted exceed it.
+    ///
+    /// An engine that also keeps blocks outside the cache (a running request's output, say)
+    /// shrinks and grows the cache with this as those come and go.
+    pub fn set_capacity(&mut self, capacity: Option<usize>) -> Result<(), Error> {
+        let limit = capacity.map_or(MAX_BLOCKS, |c| c.min(MAX_BLOCKS));
         let needed = self.map.len().saturating_sub(limit);
         if needed > 0 {
             let evictable = self.evictable(NIL, 0);
