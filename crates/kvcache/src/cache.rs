@@ -179,24 +179,40 @@ impl BlockCache {
     /// Fails, changing nothing, when room cannot be made ([`Error::CapacityExhausted`]) or when
     /// the chain contradicts the cache ([`Error::InconsistentChain`]).
     pub fn insert(&mut self, chain: &[BlockHash]) -> Result<usize, Error> {
-        // The resident leading run, checked to be the same chain the cache holds.
+        // The resident leading run, checked to be the same chain the cache holds. Its slots are
+        // kept so that touching it needs no second lookup.
+        let mut slots = std::mem::take(&mut self.scratch);
+        slots.clear();
         let mut last = NIL;
-        let mut run = 0;
         for (i, h) in chain.iter().enumerate() {
             let Some(&s) = self.map.get(h) else { break };
             if self.slots[s as usize].parent != last {
+                self.scratch = slots;
                 return Err(Error::InconsistentChain {
                     block: *h,
                     position: i,
                     why: "is resident under a different parent",
                 });
             }
+            slots.push(s);
             last = s;
-            run += 1;
         }
+        let run = slots.len();
+        let result = self.insert_after_run(chain, run, last, &mut slots);
+        self.scratch = slots;
+        result
+    }
+
+    fn insert_after_run(
+        &mut self,
+        chain: &[BlockHash],
+        run: usize,
+        last: u32,
+        slots: &mut Vec<u32>,
+    ) -> Result<usize, Error> {
         let new = &chain[run..];
         if new.is_empty() {
-            self.touch_chain(chain);
+            self.touch_slots(slots);
             return Ok(0);
         }
         // Reserve the new keys; a key already present is a duplicate or a block after a gap.
@@ -230,7 +246,8 @@ impl BlockCache {
             // The run gains a resident child now, so eviction cannot take it.
             self.slots[last as usize].children += 1;
         }
-        self.touch_chain(&chain[..run]);
+        // Most recent first, so eviction below does not have to step over the run.
+        self.touch_slots(slots);
         self.evict(needed);
 
         let mut parent = last;
@@ -257,9 +274,10 @@ impl BlockCache {
             if let Some(v) = self.map.get_mut(&h) {
                 *v = s;
             }
+            slots.push(s);
             parent = s;
         }
-        self.touch_chain(chain);
+        self.touch_slots(slots);
         self.stats.blocks_stored += new.len() as u64;
         self.events.push(KvEvent::Stored {
             parent: run.checked_sub(1).map(|i| chain[i]),
@@ -431,14 +449,12 @@ impl BlockCache {
         self.events.push(KvEvent::Removed { blocks: removed });
     }
 
-    /// Makes the unpinned blocks of `chain` (all resident) the most recent, tail first.
-    fn touch_chain(&mut self, chain: &[BlockHash]) {
-        for h in chain.iter().rev() {
-            if let Some(&s) = self.map.get(h) {
-                if self.slots[s as usize].pins == 0 {
-                    self.unlink(s);
-                    self.push_mru(s);
-                }
+    /// Makes the unpinned blocks of a chain, given by slot, the most recent, tail first.
+    fn touch_slots(&mut self, slots: &[u32]) {
+        for &s in slots.iter().rev() {
+            if self.slots[s as usize].pins == 0 {
+                self.unlink(s);
+                self.push_mru(s);
             }
         }
     }

@@ -307,14 +307,17 @@ impl CacheIndex {
                 self.pairs += out.stored;
             }
             KvEvent::Removed { blocks } => {
-                for b in blocks {
-                    let (removed, emptied) = match self.blocks.get_mut(b) {
-                        Some(set) => (set.remove(idx), set.is_empty()),
-                        None => (false, false),
+                for &b in blocks {
+                    let removed = match self.blocks.entry(b) {
+                        hashbrown::hash_map::Entry::Occupied(mut e) => {
+                            let removed = e.get_mut().remove(idx);
+                            if e.get().is_empty() {
+                                e.remove();
+                            }
+                            removed
+                        }
+                        hashbrown::hash_map::Entry::Vacant(_) => false,
                     };
-                    if emptied {
-                        self.blocks.remove(b);
-                    }
                     if removed {
                         out.removed += 1;
                     } else {

@@ -1,0 +1,239 @@
+//! Simulation settings, their defaults and their validation.
+
+use std::fmt;
+use std::str::FromStr;
+
+use kvblock::BlockSize;
+use kvroute::Policy;
+
+use crate::timing::LinearTiming;
+use crate::Error;
+
+/// How request arrival times are drawn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum ArrivalModel {
+    /// Exponential inter-arrival times (a Poisson process).
+    #[default]
+    Poisson,
+    /// Evenly spaced arrivals.
+    Constant,
+    /// Gamma inter-arrival times with coefficient of variation `arrival_cv` (1 is Poisson,
+    /// above 1 is burstier).
+    Gamma,
+}
+
+impl ArrivalModel {
+    /// Every model, as the CLI spells them.
+    pub const ALL: [ArrivalModel; 3] = [
+        ArrivalModel::Poisson,
+        ArrivalModel::Constant,
+        ArrivalModel::Gamma,
+    ];
+
+    /// The CLI spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            ArrivalModel::Poisson => "poisson",
+            ArrivalModel::Constant => "constant",
+            ArrivalModel::Gamma => "gamma",
+        }
+    }
+}
+
+impl fmt::Display for ArrivalModel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for ArrivalModel {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        ArrivalModel::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| Error::invalid("--arrival-model", s, "one of poisson, constant, gamma"))
+    }
+}
+
+/// How often each prefix of the pool is chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[non_exhaustive]
+pub enum Popularity {
+    /// Every prefix equally often.
+    #[default]
+    Uniform,
+    /// Zipf with exponent `s` over the pool: a few hot prefixes.
+    Zipf(f64),
+}
+
+impl fmt::Display for Popularity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Popularity::Uniform => f.write_str("uniform"),
+            Popularity::Zipf(s) => write!(f, "zipf:{s}"),
+        }
+    }
+}
+
+impl FromStr for Popularity {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        const EXPECTED: &str = "uniform or zipf:<s> with s a finite number > 0";
+        if s == "uniform" {
+            return Ok(Popularity::Uniform);
+        }
+        match s.strip_prefix("zipf:").map(str::parse::<f64>) {
+            Some(Ok(x)) if x.is_finite() && x > 0.0 => Ok(Popularity::Zipf(x)),
+            _ => Err(Error::invalid("--prefix-popularity", s, EXPECTED)),
+        }
+    }
+}
+
+/// Everything a simulation run needs. Start from [`SimConfig::default`] and change fields;
+/// [`validate`](Self::validate) (called by [`crate::Simulation::new`]) checks them.
+///
+/// The defaults are the source document's example fleet (4 instances, `kv` routing, 8 prefixes
+/// of 2,048 tokens, 200 Poisson requests at 6/s) at block size 16 with 4,096-token prompts and
+/// 256-token outputs on an 8B-class model.
+///
+/// ```
+/// let mut cfg = kvsim::SimConfig::default();
+/// cfg.instances = 0;
+/// assert_eq!(cfg.validate().unwrap_err().to_string(), "invalid --des-instances 0: expected a whole number >= 1");
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct SimConfig {
+    /// Requests per second (`--request-rate`).
+    pub request_rate: f64,
+    /// Arrival process (`--arrival-model`).
+    pub arrival_model: ArrivalModel,
+    /// Coefficient of variation of gamma inter-arrival times (`--arrival-cv`).
+    pub arrival_cv: f64,
+    /// Requests to simulate (`--des-num-requests`).
+    pub num_requests: usize,
+    /// Seed of every random choice (`--seed`).
+    pub seed: u64,
+    /// Prefixes in the synthetic pool (`--des-num-prefixes`).
+    pub num_prefixes: usize,
+    /// Tokens per prefix (`--des-prefix-len`).
+    pub prefix_len: usize,
+    /// Prefix popularity (`--prefix-popularity`).
+    pub prefix_popularity: Popularity,
+    /// Prompt tokens per request, prefix included; the unique suffix fills the rest
+    /// (`--input-len`).
+    pub input_len: usize,
+    /// Output tokens per request (`--output-len`).
+    pub output_len: usize,
+    /// Tokens per KV block, for engines and router alike (`--des-block-size`).
+    pub block_size: BlockSize,
+    /// Engine replicas (`--des-instances`).
+    pub instances: usize,
+    /// KV blocks per engine, cache and running requests together; `None` is unbounded
+    /// (`--des-kv-blocks`).
+    pub kv_blocks: Option<usize>,
+    /// Token budget of one engine step, prefill chunks plus one token per decoding request
+    /// (`--max-batched-tokens`).
+    pub max_batched_tokens: usize,
+    /// Running requests per engine (`--max-num-seqs`).
+    pub max_num_seqs: usize,
+    /// The default timing model's coefficients (`--timing-*`).
+    pub timing: LinearTiming,
+    /// Routing policy (`--des-routing`).
+    pub routing: Policy,
+    /// The `kv` policy's overlap weight (`--des-overlap-weight`).
+    pub overlap_weight: f64,
+    /// Delay before the router sees an engine's KV events, in microseconds
+    /// (`--des-event-delay-ms` × 1000).
+    pub event_delay_us: u64,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            request_rate: 6.0,
+            arrival_model: ArrivalModel::Poisson,
+            arrival_cv: 1.0,
+            num_requests: 200,
+            seed: 0,
+            num_prefixes: 8,
+            prefix_len: 2048,
+            prefix_popularity: Popularity::Uniform,
+            input_len: 4096,
+            output_len: 256,
+            block_size: BlockSize::new(16).unwrap_or_else(|_| unreachable!("16 is valid")),
+            instances: 4,
+            kv_blocks: None,
+            max_batched_tokens: 8192,
+            max_num_seqs: 256,
+            timing: LinearTiming::default(),
+            routing: Policy::Kv,
+            overlap_weight: 1.0,
+            event_delay_us: 0,
+        }
+    }
+}
+
+impl SimConfig {
+    /// Checks every setting; the error names the CLI flag, the value and what is accepted.
+    pub fn validate(&self) -> Result<(), Error> {
+        let positive = |flag, v: f64| {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                Err(Error::invalid(flag, v, "a finite number > 0"))
+            }
+        };
+        let non_negative = |flag, v: f64| {
+            if v.is_finite() && v >= 0.0 {
+                Ok(())
+            } else {
+                Err(Error::invalid(flag, v, "a finite number >= 0"))
+            }
+        };
+        let at_least_one = |flag, v: usize| {
+            if v >= 1 {
+                Ok(())
+            } else {
+                Err(Error::invalid(flag, v, "a whole number >= 1"))
+            }
+        };
+        positive("--request-rate", self.request_rate)?;
+        positive("--arrival-cv", self.arrival_cv)?;
+        at_least_one("--des-num-requests", self.num_requests)?;
+        at_least_one("--des-num-prefixes", self.num_prefixes)?;
+        at_least_one("--input-len", self.input_len)?;
+        if self.prefix_len > self.input_len {
+            return Err(Error::invalid(
+                "--des-prefix-len",
+                self.prefix_len,
+                format!(
+                    "at most --input-len ({}): the prefix is part of the prompt",
+                    self.input_len
+                ),
+            ));
+        }
+        at_least_one("--output-len", self.output_len)?;
+        at_least_one("--des-instances", self.instances)?;
+        if let Some(k) = self.kv_blocks {
+            at_least_one("--des-kv-blocks", k)?;
+        }
+        at_least_one("--max-batched-tokens", self.max_batched_tokens)?;
+        at_least_one("--max-num-seqs", self.max_num_seqs)?;
+        if self.max_num_seqs >= self.max_batched_tokens {
+            return Err(Error::invalid(
+                "--max-num-seqs",
+                self.max_num_seqs,
+                "fewer than --max-batched-tokens (each decoding request takes a token of the budget)",
+            ));
+        }
+        if let Popularity::Zipf(s) = self.prefix_popularity {
+            positive("--prefix-popularity zipf exponent", s)?;
+        }
+        non_negative("--des-overlap-weight", self.overlap_weight)?;
+        self.timing.validate()?;
+        Ok(())
+    }
+}

@@ -1,0 +1,347 @@
+//! What a run measured, as text and as a stable JSON document.
+
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+use crate::config::SimConfig;
+use crate::sim::{Engine, Req};
+
+/// Load balance (max over mean requests per instance) above which the report warns of
+/// hot-spotting.
+pub const HOT_SPOT_THRESHOLD: f64 = 1.5;
+
+pub(crate) struct Collected {
+    pub(crate) reqs: Vec<Req>,
+    pub(crate) engines: Vec<Engine>,
+    pub(crate) itl: Vec<(u64, u64)>,
+    pub(crate) router_errors: u64,
+    pub(crate) inconsistent_inserts: u64,
+}
+
+/// Mean and percentiles of a latency, in milliseconds (nearest-rank percentiles).
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+#[non_exhaustive]
+pub struct Summary {
+    /// Mean.
+    pub mean: f64,
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 99th percentile.
+    pub p99: f64,
+}
+
+impl Summary {
+    /// From `(value_us, weight)` samples.
+    fn weighted(samples: &mut [(u64, u64)]) -> Self {
+        let total: u64 = samples.iter().map(|s| s.1).sum();
+        if total == 0 {
+            return Summary::default();
+        }
+        samples.sort_unstable();
+        let sum: f64 = samples.iter().map(|&(v, w)| v as f64 * w as f64).sum();
+        let at = |q: f64| {
+            // Nearest rank: the smallest value whose cumulative weight reaches ceil(q * total).
+            let rank = ((q * total as f64).ceil() as u64).clamp(1, total);
+            let mut acc = 0;
+            for &(v, w) in samples.iter() {
+                acc += w;
+                if acc >= rank {
+                    return v as f64 / 1e3;
+                }
+            }
+            0.0
+        };
+        Summary {
+            mean: sum / total as f64 / 1e3,
+            p50: at(0.50),
+            p90: at(0.90),
+            p99: at(0.99),
+        }
+    }
+
+    fn from_us(values: impl Iterator<Item = u64>) -> Self {
+        let mut v: Vec<(u64, u64)> = values.map(|x| (x, 1)).collect();
+        Summary::weighted(&mut v)
+    }
+}
+
+/// One instance's share of a run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct InstanceReport {
+    /// The instance's index (its router worker id).
+    pub instance: usize,
+    /// Requests routed to it.
+    pub requests: usize,
+    /// Of those, completed.
+    pub completed: usize,
+    /// Share of its scheduled requests with at least one cached block.
+    pub hit_rate: f64,
+    /// Cached prompt blocks over all full prompt blocks of its scheduled requests.
+    pub block_reuse: f64,
+    /// Blocks its cache evicted.
+    pub evictions: u64,
+    /// Blocks resident at the end.
+    pub resident_blocks: usize,
+    /// Share of the makespan it spent computing.
+    pub busy_fraction: f64,
+}
+
+/// The result of a run. The text form ([`to_text`](Self::to_text)) starts with the source
+/// document's three lines; the JSON form ([`to_json`](Self::to_json)) has every field below
+/// under the same name, with times in the unit its name ends with.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct Report {
+    /// Engine replicas.
+    pub instances: usize,
+    /// The routing policy.
+    pub routing: String,
+    /// The `kv` policy's overlap weight.
+    pub overlap_weight: f64,
+    /// Where the content came from, e.g. `prefix pool: 8 prefixes`.
+    pub content: String,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// KV blocks per instance (`null`: unbounded).
+    pub capacity_per_instance: Option<usize>,
+    /// The seed.
+    pub seed: u64,
+    /// Requests simulated.
+    pub requests: usize,
+    /// Requests completed.
+    pub completed: usize,
+    /// Requests that could never fit in an instance's KV blocks.
+    pub rejected: usize,
+    /// Blocks evicted, all instances.
+    pub evictions: u64,
+    /// Cached prompt blocks over all full prompt blocks.
+    pub block_reuse: f64,
+    /// Share of requests with at least one cached block.
+    pub request_hit_rate: f64,
+    /// Mean cached prompt tokens per request.
+    pub avg_cached_tokens: f64,
+    /// Lowest instance request hit rate.
+    pub per_instance_hit_rate_min: f64,
+    /// Highest instance request hit rate.
+    pub per_instance_hit_rate_max: f64,
+    /// Time to first token, from arrival (ms).
+    pub ttft_ms: Summary,
+    /// Inter-token latency over every output token after the first (ms).
+    pub itl_ms: Summary,
+    /// Arrival to last token (ms).
+    pub e2e_ms: Summary,
+    /// Completed requests per second of makespan.
+    pub throughput_rps: f64,
+    /// Output tokens per second of makespan.
+    pub output_tokens_per_s: f64,
+    /// From time 0 to the last completion (s).
+    pub makespan_s: f64,
+    /// Max over mean requests per instance (1.0 is perfectly even).
+    pub load_balance: f64,
+    /// Whether `load_balance` exceeds the hot-spotting threshold (1.5).
+    pub hot_spot: bool,
+    /// Router calls that failed (0 unless something is wrong).
+    pub router_errors: u64,
+    /// Per-instance breakdown.
+    pub per_instance: Vec<InstanceReport>,
+}
+
+fn ratio(a: f64, b: f64) -> f64 {
+    if b > 0.0 {
+        a / b
+    } else {
+        0.0
+    }
+}
+
+impl Report {
+    pub(crate) fn build(cfg: &SimConfig, content: String, c: Collected) -> Self {
+        let bs = cfg.block_size.get();
+        let n = cfg.instances;
+        let scheduled = |r: &&Req| !r.rejected;
+        let done: Vec<&Req> = c.reqs.iter().filter(scheduled).collect();
+        let makespan_us = done.iter().map(|r| r.finish).max().unwrap_or(0);
+        let makespan_s = makespan_us as f64 / 1e6;
+        let mut per = Vec::with_capacity(n);
+        for (i, eng) in c.engines.iter().enumerate() {
+            let mine: Vec<&&Req> = done.iter().filter(|r| r.engine == i).collect();
+            let hits = mine.iter().filter(|r| r.hits > 0).count();
+            let cached: usize = mine.iter().map(|r| r.hits).sum();
+            let prompt: usize = mine.iter().map(|r| r.prompt_blocks).sum();
+            per.push(InstanceReport {
+                instance: i,
+                requests: c.reqs.iter().filter(|r| r.engine == i).count(),
+                completed: mine.len(),
+                hit_rate: ratio(hits as f64, mine.len() as f64),
+                block_reuse: ratio(cached as f64, prompt as f64),
+                evictions: eng.cache.stats().evictions,
+                resident_blocks: eng.cache.len(),
+                busy_fraction: ratio(eng.busy_us as f64, makespan_us as f64),
+            });
+        }
+        let cached: usize = done.iter().map(|r| r.hits).sum();
+        let prompt: usize = done.iter().map(|r| r.prompt_blocks).sum();
+        let hit_requests = done.iter().filter(|r| r.hits > 0).count();
+        let outputs: usize = done.iter().map(|r| r.output).sum();
+        let used: Vec<&InstanceReport> = per.iter().filter(|p| p.completed > 0).collect();
+        let mean_requests = c.reqs.len() as f64 / n as f64;
+        let max_requests = per.iter().map(|p| p.requests).max().unwrap_or(0);
+        let load_balance = ratio(max_requests as f64, mean_requests);
+        let mut itl = c.itl;
+        Report {
+            instances: n,
+            routing: cfg.routing.to_string(),
+            overlap_weight: cfg.overlap_weight,
+            content,
+            block_size: bs,
+            capacity_per_instance: cfg.kv_blocks,
+            seed: cfg.seed,
+            requests: c.reqs.len(),
+            completed: done.len(),
+            rejected: c.reqs.len() - done.len(),
+            evictions: per.iter().map(|p| p.evictions).sum(),
+            block_reuse: ratio(cached as f64, prompt as f64),
+            request_hit_rate: ratio(hit_requests as f64, done.len() as f64),
+            avg_cached_tokens: ratio((cached * bs) as f64, done.len() as f64),
+            per_instance_hit_rate_min: used
+                .iter()
+                .map(|p| p.hit_rate)
+                .fold(f64::INFINITY, f64::min)
+                .min(1.0),
+            per_instance_hit_rate_max: used.iter().map(|p| p.hit_rate).fold(0.0, f64::max),
+            ttft_ms: Summary::from_us(done.iter().map(|r| r.first_token - r.arrival)),
+            itl_ms: Summary::weighted(&mut itl),
+            e2e_ms: Summary::from_us(done.iter().map(|r| r.finish - r.arrival)),
+            throughput_rps: ratio(done.len() as f64, makespan_s),
+            output_tokens_per_s: ratio(outputs as f64, makespan_s),
+            makespan_s,
+            load_balance,
+            hot_spot: load_balance > HOT_SPOT_THRESHOLD,
+            router_errors: c.router_errors + c.inconsistent_inserts,
+            per_instance: per,
+        }
+    }
+
+    /// The report as text; `verbose` adds the per-instance table.
+    pub fn to_text(&self, verbose: bool) -> String {
+        let pct = |x: f64| format!("{:.1}%", x * 100.0);
+        let cap = self
+            .capacity_per_instance
+            .map_or_else(|| "unbounded".to_string(), |c| c.to_string());
+        let lo = if self.per_instance_hit_rate_min.is_finite() {
+            self.per_instance_hit_rate_min
+        } else {
+            0.0
+        };
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "  Fleet: {} instance(s), routing={} | {}",
+            self.instances, self.routing, self.content
+        );
+        let _ = writeln!(
+            s,
+            "  KV block cache: block_size={} tok, capacity/instance={}, evictions={}, block-reuse={}",
+            self.block_size,
+            cap,
+            self.evictions,
+            pct(self.block_reuse)
+        );
+        let _ = writeln!(
+            s,
+            "  Prefix-cache hit rate: {} of requests (avg {:.0} cached tok/req; per-instance {:.0}–{:.0}%)",
+            pct(self.request_hit_rate),
+            self.avg_cached_tokens,
+            lo * 100.0,
+            self.per_instance_hit_rate_max * 100.0
+        );
+        let _ = writeln!(
+            s,
+            "  Requests: {} completed, {} rejected | makespan {:.2} s | throughput {:.2} req/s, {:.0} output tok/s",
+            self.completed, self.rejected, self.makespan_s, self.throughput_rps, self.output_tokens_per_s
+        );
+        for (name, m) in [
+            ("TTFT", &self.ttft_ms),
+            ("ITL", &self.itl_ms),
+            ("E2E", &self.e2e_ms),
+        ] {
+            let _ = writeln!(
+                s,
+                "  {name:<4} ms: mean {:.1}, p50 {:.1}, p90 {:.1}, p99 {:.1}",
+                m.mean, m.p50, m.p90, m.p99
+            );
+        }
+        let (min_r, max_r) = self
+            .per_instance
+            .iter()
+            .fold((usize::MAX, 0), |(lo, hi), p| {
+                (lo.min(p.requests), hi.max(p.requests))
+            });
+        let _ = writeln!(
+            s,
+            "  Load balance: max/mean requests per instance {:.2} (min {}, max {})",
+            self.load_balance,
+            if self.per_instance.is_empty() {
+                0
+            } else {
+                min_r
+            },
+            max_r
+        );
+        if self.hot_spot {
+            let _ = writeln!(
+                s,
+                "  WARNING: hot-spotting: one instance took {:.1}x the mean share of requests; locality is \
+                 concentrating load, so a high hit rate here is not a win",
+                self.load_balance
+            );
+        }
+        if self.router_errors > 0 {
+            let _ = writeln!(s, "  WARNING: {} router call(s) failed", self.router_errors);
+        }
+        if verbose {
+            let _ = writeln!(
+                s,
+                "  instance  requests  hit-rate  block-reuse  evictions  resident  busy"
+            );
+            for p in &self.per_instance {
+                let _ = writeln!(
+                    s,
+                    "  {:>8}  {:>8}  {:>8}  {:>11}  {:>9}  {:>8}  {:>4.0}%",
+                    p.instance,
+                    p.requests,
+                    pct(p.hit_rate),
+                    pct(p.block_reuse),
+                    p.evictions,
+                    p.resident_blocks,
+                    p.busy_fraction * 100.0
+                );
+            }
+        }
+        s
+    }
+
+    /// The report as one pretty-printed JSON document.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let s = Summary::from_us((1..=100).map(|x| x * 1000));
+        assert_eq!((s.p50, s.p90, s.p99, s.mean), (50.0, 90.0, 99.0, 50.5));
+        let mut w = vec![(2000, 1), (1000, 3)];
+        let s = Summary::weighted(&mut w);
+        assert_eq!((s.p50, s.p99, s.mean), (1.0, 2.0, 1.25));
+        assert_eq!(Summary::from_us(std::iter::empty()), Summary::default());
+    }
+}

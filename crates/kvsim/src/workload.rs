@@ -1,0 +1,202 @@
+//! Where requests come from: arrival times and prompt content.
+
+use kvblock::{BlockHash, BlockHasher, BlockSequence};
+
+use crate::config::{ArrivalModel, Popularity, SimConfig};
+use crate::rng::{SimRng, Zipf};
+
+/// Token ids are drawn below this, like a real tokenizer's vocabulary.
+const VOCAB: u64 = 128_000;
+
+/// One request as the workload produces it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct RequestSpec {
+    pub(crate) arrival_us: u64,
+    pub(crate) input_len: usize,
+    pub(crate) output_len: usize,
+    /// Hashes of the prompt's full blocks (a partial last block is not cacheable).
+    pub(crate) blocks: Vec<BlockHash>,
+}
+
+/// Arrival times in integer microseconds.
+#[derive(Debug, Clone)]
+pub(crate) struct Arrivals {
+    model: ArrivalModel,
+    mean_gap_s: f64,
+    gamma_shape: f64,
+    rng: SimRng,
+    t_s: f64,
+    first: bool,
+}
+
+impl Arrivals {
+    pub(crate) fn new(model: ArrivalModel, rate: f64, cv: f64, rng: SimRng) -> Self {
+        Arrivals {
+            model,
+            mean_gap_s: 1.0 / rate,
+            gamma_shape: 1.0 / (cv * cv),
+            rng,
+            t_s: 0.0,
+            first: true,
+        }
+    }
+
+    /// The next arrival time; the first request arrives at time 0.
+    pub(crate) fn next_us(&mut self) -> u64 {
+        if !std::mem::take(&mut self.first) {
+            let gap = match self.model {
+                ArrivalModel::Poisson => self.rng.exp1() * self.mean_gap_s,
+                ArrivalModel::Constant => self.mean_gap_s,
+                ArrivalModel::Gamma => {
+                    self.rng.gamma(self.gamma_shape) * self.mean_gap_s / self.gamma_shape
+                }
+            };
+            self.t_s += gap;
+        }
+        (self.t_s * 1e6).round() as u64
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Prefix {
+    /// Hashes of the prefix's full blocks.
+    blocks: Vec<BlockHash>,
+    /// Prefix tokens after its last full block; they share a block with the suffix.
+    tail: Vec<u32>,
+}
+
+/// The synthetic workload: a pool of prefixes, each request one of them plus a unique suffix.
+#[derive(Debug, Clone)]
+pub(crate) struct Synthetic {
+    hasher: BlockHasher,
+    prefixes: Vec<Prefix>,
+    zipf: Option<Zipf>,
+    arrivals: Arrivals,
+    choose: SimRng,
+    seed: u64,
+    input_len: usize,
+    output_len: usize,
+    remaining: usize,
+    issued: u64,
+    tokens: Vec<u32>,
+}
+
+impl Synthetic {
+    pub(crate) fn new(cfg: &SimConfig) -> Self {
+        let hasher = BlockHasher::new(cfg.block_size);
+        let mut content = SimRng::new(cfg.seed, 1);
+        let prefixes = (0..cfg.num_prefixes)
+            .map(|_| {
+                let tokens: Vec<u32> = (0..cfg.prefix_len)
+                    .map(|_| content.below(VOCAB) as u32)
+                    .collect();
+                let full = cfg.block_size.full_blocks(tokens.len()) * cfg.block_size.get();
+                Prefix {
+                    blocks: hasher.sequence_hashes(&tokens),
+                    tail: tokens[full..].to_vec(),
+                }
+            })
+            .collect();
+        Synthetic {
+            hasher,
+            prefixes,
+            zipf: match cfg.prefix_popularity {
+                Popularity::Uniform => None,
+                Popularity::Zipf(s) => Some(Zipf::new(cfg.num_prefixes, s)),
+            },
+            arrivals: Arrivals::new(
+                cfg.arrival_model,
+                cfg.request_rate,
+                cfg.arrival_cv,
+                SimRng::new(cfg.seed, 2),
+            ),
+            choose: SimRng::new(cfg.seed, 3),
+            seed: cfg.seed,
+            input_len: cfg.input_len.max(cfg.prefix_len),
+            output_len: cfg.output_len,
+            remaining: cfg.num_requests,
+            issued: 0,
+            tokens: Vec::new(),
+        }
+    }
+
+    pub(crate) fn next_request(&mut self) -> Option<RequestSpec> {
+        self.remaining = self.remaining.checked_sub(1)?;
+        let arrival_us = self.arrivals.next_us();
+        let p = match &self.zipf {
+            Some(z) => z.sample(&mut self.choose),
+            None => self.choose.below(self.prefixes.len() as u64) as usize,
+        };
+        let prefix = &self.prefixes[p];
+        // The suffix comes from the request's own stream, so content does not depend on how
+        // many draws arrivals or prefix choices made.
+        let mut suffix_rng = SimRng::new(self.seed, 1_000 + self.issued);
+        self.issued += 1;
+        let prefix_len = prefix.blocks.len() * self.hasher.block_size().get() + prefix.tail.len();
+        let suffix_len = self.input_len - prefix_len;
+        self.tokens.clear();
+        self.tokens.extend_from_slice(&prefix.tail);
+        self.tokens
+            .extend((0..suffix_len).map(|_| suffix_rng.below(VOCAB) as u32));
+        let mut blocks = Vec::with_capacity(self.input_len / self.hasher.block_size().get());
+        blocks.extend_from_slice(&prefix.blocks);
+        let mut seq = match blocks.last() {
+            Some(&last) => BlockSequence::with_parent(self.hasher, last),
+            None => BlockSequence::new(self.hasher),
+        };
+        seq.extend_into(&self.tokens, &mut blocks);
+        Some(RequestSpec {
+            arrival_us,
+            input_len: self.input_len,
+            output_len: self.output_len,
+            blocks,
+        })
+    }
+
+    pub(crate) fn describe(&self) -> String {
+        format!("prefix pool: {} prefixes", self.prefixes.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvblock::BlockSize;
+
+    #[test]
+    fn requests_share_exactly_their_prefix_blocks() {
+        let cfg = SimConfig {
+            num_prefixes: 2,
+            prefix_len: 40,
+            input_len: 100,
+            block_size: BlockSize::new(16).unwrap(),
+            num_requests: 50,
+            ..SimConfig::default()
+        };
+        let mut w = Synthetic::new(&cfg);
+        let reqs: Vec<RequestSpec> = std::iter::from_fn(|| w.next_request()).collect();
+        assert_eq!(reqs.len(), 50);
+        for r in &reqs {
+            assert_eq!(r.blocks.len(), 6);
+            assert_eq!(r.input_len, 100);
+        }
+        // Two full prefix blocks are shared within a prefix; the third block mixes in the suffix.
+        let firsts: std::collections::BTreeSet<_> =
+            reqs.iter().map(|r| (r.blocks[0], r.blocks[1])).collect();
+        assert_eq!(firsts.len(), 2);
+        let thirds: std::collections::BTreeSet<_> = reqs.iter().map(|r| r.blocks[2]).collect();
+        assert_eq!(thirds.len(), 50);
+        assert!(reqs.windows(2).all(|w| w[0].arrival_us <= w[1].arrival_us));
+        assert_eq!(reqs[0].arrival_us, 0);
+    }
+
+    #[test]
+    fn arrival_rates_hold() {
+        for model in ArrivalModel::ALL {
+            let mut a = Arrivals::new(model, 4.0, 2.0, SimRng::new(9, 2));
+            let last = (0..20_001).map(|_| a.next_us()).last().unwrap();
+            let rate = 20_000.0 / (last as f64 / 1e6);
+            assert!((rate - 4.0).abs() < 0.15, "{model}: {rate}");
+        }
+    }
+}
