@@ -3,8 +3,12 @@
 use std::fmt;
 use std::str::FromStr;
 
+use std::sync::Arc;
+
 use kvblock::BlockSize;
 use kvroute::Policy;
+
+use crate::trace::Trace;
 
 use crate::timing::LinearTiming;
 use crate::Error;
@@ -91,6 +95,28 @@ impl FromStr for Popularity {
     }
 }
 
+/// How a trace's requests are timed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum TraceTiming {
+    /// The trace's own timestamps (divided by the speed-up).
+    #[default]
+    Keep,
+    /// New arrival times from the arrival model and rate, in the trace's order.
+    Rate,
+}
+
+impl FromStr for TraceTiming {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s {
+            "keep" => Ok(TraceTiming::Keep),
+            "rate" => Ok(TraceTiming::Rate),
+            _ => Err(Error::invalid("--trace-timing", s, "keep or rate")),
+        }
+    }
+}
+
 /// Everything a simulation run needs. Start from [`SimConfig::default`] and change fields;
 /// [`validate`](Self::validate) (called by [`crate::Simulation::new`]) checks them.
 ///
@@ -148,6 +174,13 @@ pub struct SimConfig {
     /// Delay before the router sees an engine's KV events, in microseconds
     /// (`--des-event-delay-ms` × 1000).
     pub event_delay_us: u64,
+    /// Replay this trace instead of the synthetic prefix pool (`--trace`): its first
+    /// `num_requests` requests. See [`SimConfig::with_trace`].
+    pub trace: Option<Arc<Trace>>,
+    /// Divide the trace's inter-arrival times by this (`--trace-speedup`).
+    pub trace_speedup: f64,
+    /// Keep the trace's timestamps or re-time arrivals (`--trace-timing`).
+    pub trace_timing: TraceTiming,
 }
 
 impl Default for SimConfig {
@@ -172,11 +205,40 @@ impl Default for SimConfig {
             routing: Policy::Kv,
             overlap_weight: 1.0,
             event_delay_us: 0,
+            trace: None,
+            trace_speedup: 1.0,
+            trace_timing: TraceTiming::Keep,
         }
     }
 }
 
 impl SimConfig {
+    /// Replays all of `trace`, at its block size.
+    ///
+    /// ```
+    /// use kvblock::BlockSize;
+    /// let text = r#"{"timestamp": 0, "input_length": 40, "output_length": 2, "hash_ids": [7, 8, 9]}"#;
+    /// let trace = kvsim::Trace::parse("t.jsonl", text, BlockSize::new(16)?)?;
+    /// let report = kvsim::Simulation::new(kvsim::SimConfig::default().with_trace(trace))?.run()?;
+    /// assert_eq!(report.content, "trace: t.jsonl (1 requests)");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    #[must_use]
+    pub fn with_trace(mut self, trace: Trace) -> Self {
+        self.block_size = trace.block_size();
+        self.num_requests = trace.requests().len();
+        self.trace = Some(Arc::new(trace));
+        self
+    }
+
+    /// Requests a run simulates: `num_requests`, or fewer when the trace is shorter.
+    pub fn request_count(&self) -> usize {
+        match &self.trace {
+            Some(t) => self.num_requests.min(t.requests().len()),
+            None => self.num_requests,
+        }
+    }
+
     /// Checks every setting; the error names the CLI flag, the value and what is accepted.
     pub fn validate(&self) -> Result<(), Error> {
         let positive = |flag, v: f64| {
@@ -205,7 +267,7 @@ impl SimConfig {
         at_least_one("--des-num-requests", self.num_requests)?;
         at_least_one("--des-num-prefixes", self.num_prefixes)?;
         at_least_one("--input-len", self.input_len)?;
-        if self.prefix_len > self.input_len {
+        if self.trace.is_none() && self.prefix_len > self.input_len {
             return Err(Error::invalid(
                 "--des-prefix-len",
                 self.prefix_len,
@@ -233,6 +295,20 @@ impl SimConfig {
             positive("--prefix-popularity zipf exponent", s)?;
         }
         non_negative("--des-overlap-weight", self.overlap_weight)?;
+        positive("--trace-speedup", self.trace_speedup)?;
+        if let Some(t) = &self.trace {
+            if t.block_size() != self.block_size {
+                return Err(Error::invalid(
+                    "--des-block-size",
+                    self.block_size,
+                    format!(
+                        "the trace's block size {} (its ids name {}-token blocks and cannot be re-blocked)",
+                        t.block_size(),
+                        t.block_size()
+                    ),
+                ));
+            }
+        }
         self.timing.validate()?;
         Ok(())
     }

@@ -31,13 +31,15 @@ mod report;
 mod rng;
 mod sim;
 mod timing;
+mod trace;
 mod workload;
 
-pub use config::{ArrivalModel, Popularity, SimConfig};
+pub use config::{ArrivalModel, Popularity, SimConfig, TraceTiming};
 pub use kvroute::Policy;
-pub use report::{InstanceReport, Report, Summary};
+pub use report::{InstanceReport, Report, Summary, HOT_SPOT_THRESHOLD};
 pub use sim::Simulation;
 pub use timing::{LinearTiming, StepShape, TimingModel};
+pub use trace::{Lengths, Trace, TraceError, TraceRequest, TraceStats};
 
 /// Errors of this crate. Each names the setting (by its CLI flag), the value and what is
 /// accepted.

@@ -11,7 +11,7 @@ use kvroute::{Role, Router};
 use crate::config::SimConfig;
 use crate::report::{Collected, Report};
 use crate::timing::{StepShape, TimingModel};
-use crate::workload::{RequestSpec, Synthetic};
+use crate::workload::{RequestSpec, Workload};
 use crate::Error;
 #[cfg(test)]
 use kvroute::Policy;
@@ -63,16 +63,22 @@ impl Simulation {
 
     /// Runs the simulation to the last request's completion.
     pub fn run(&self) -> Result<Report, Error> {
+        self.run_with_progress(&mut |_| {})
+    }
+
+    /// [`run`](Self::run), calling `progress` with the number of requests that have arrived so
+    /// far, about every 1% of them.
+    pub fn run_with_progress(&self, progress: &mut dyn FnMut(usize)) -> Result<Report, Error> {
         let router = Router::builder()
             .block_size(self.cfg.block_size)
             .policy(self.cfg.routing)
             .overlap_weight(self.cfg.overlap_weight)
             .seed(self.cfg.seed)
             .build()?;
-        let workload = Synthetic::new(&self.cfg);
+        let workload = Workload::new(&self.cfg);
         let content = workload.describe();
         let mut run = Run::new(&self.cfg, self.timing.as_ref(), router, workload);
-        run.simulate();
+        run.simulate(progress);
         Ok(Report::build(&self.cfg, content, run.collect()))
     }
 }
@@ -189,7 +195,7 @@ struct Run<'a> {
     block_size: BlockSize,
     timing: &'a dyn TimingModel,
     router: Router,
-    workload: Synthetic,
+    workload: Workload,
     pending: Option<RequestSpec>,
     queue: BinaryHeap<Event>,
     seq: u64,
@@ -207,7 +213,7 @@ impl<'a> Run<'a> {
         cfg: &'a SimConfig,
         timing: &'a dyn TimingModel,
         mut router: Router,
-        workload: Synthetic,
+        workload: Workload,
     ) -> Self {
         let engines = (0..cfg.instances)
             .map(|_| Engine::new(cfg.kv_blocks))
@@ -224,7 +230,7 @@ impl<'a> Run<'a> {
             pending: None,
             queue: BinaryHeap::new(),
             seq: 0,
-            reqs: Vec::with_capacity(cfg.num_requests),
+            reqs: Vec::with_capacity(cfg.request_count()),
             engines,
             itl: Vec::new(),
             router_errors: 0,
@@ -250,12 +256,18 @@ impl<'a> Run<'a> {
         }
     }
 
-    fn simulate(&mut self) {
+    fn simulate(&mut self, progress: &mut dyn FnMut(usize)) {
+        let every = (self.cfg.request_count() / 100).max(1);
         self.schedule_next_arrival();
         while let Some(ev) = self.queue.pop() {
             self.now = ev.time;
             match ev.kind {
-                Kind::Arrival => self.arrive(),
+                Kind::Arrival => {
+                    self.arrive();
+                    if self.reqs.len() % every == 0 {
+                        progress(self.reqs.len());
+                    }
+                }
                 Kind::StepDone(e) => self.step_done(e),
                 Kind::Deliver(e, events) => self.deliver(e, &events),
             }
@@ -320,7 +332,7 @@ impl<'a> Run<'a> {
             eng.private += need;
         }
         // A full hit still computes the last prompt token, to produce the first output token.
-        let cached_tokens = (hits * self.block_size.get()).min(req.input - 1);
+        let cached_tokens = (hits * self.block_size.get()).min(req.input.saturating_sub(1));
         let req = &mut self.reqs[r];
         req.hits = hits;
         req.prefill_left = req.input - cached_tokens;
@@ -498,8 +510,8 @@ mod tests {
             .seed(cfg.seed)
             .build()
             .unwrap();
-        let mut run = Run::new(cfg, &timing, router, Synthetic::new(cfg));
-        run.simulate();
+        let mut run = Run::new(cfg, &timing, router, Workload::new(cfg));
+        run.simulate(&mut |_| {});
         let leftovers = run
             .engines
             .iter()
@@ -526,20 +538,22 @@ mod tests {
         fn runs_end_clean(instances in 1usize..5, kv in prop::option::of(4usize..60), bs in prop::sample::select(vec![16usize, 64, 256]),
                           policy in prop::sample::select(Policy::ALL.to_vec()), delay in prop::sample::select(vec![0u64, 5_000]),
                           input in 1usize..3000, output in 1usize..40, seqs in 1usize..8, seed in 0u64..1000) {
-            let mut cfg = SimConfig::default();
-            cfg.instances = instances;
-            cfg.kv_blocks = kv;
-            cfg.block_size = BlockSize::new(bs).unwrap();
-            cfg.routing = policy;
-            cfg.event_delay_us = delay;
-            cfg.input_len = input;
-            cfg.prefix_len = input / 2;
-            cfg.output_len = output;
-            cfg.max_num_seqs = seqs;
-            cfg.max_batched_tokens = 512;
-            cfg.num_requests = 60;
-            cfg.request_rate = 40.0;
-            cfg.seed = seed;
+            let cfg = SimConfig {
+                instances,
+                kv_blocks: kv,
+                block_size: BlockSize::new(bs).unwrap(),
+                routing: policy,
+                event_delay_us: delay,
+                input_len: input,
+                prefix_len: input / 2,
+                output_len: output,
+                max_num_seqs: seqs,
+                max_batched_tokens: 512,
+                num_requests: 60,
+                request_rate: 40.0,
+                seed,
+                ..SimConfig::default()
+            };
             cfg.validate().unwrap();
             let (c, router, leftovers) = finished_run(&cfg);
             prop_assert!(c.reqs.iter().all(|r| r.rejected || (r.finish >= r.first_token && r.first_token > r.arrival)));

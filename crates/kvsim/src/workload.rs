@@ -1,9 +1,12 @@
 //! Where requests come from: arrival times and prompt content.
 
+use std::sync::Arc;
+
 use kvblock::{BlockHash, BlockHasher, BlockSequence};
 
-use crate::config::{ArrivalModel, Popularity, SimConfig};
+use crate::config::{ArrivalModel, Popularity, SimConfig, TraceTiming};
 use crate::rng::{SimRng, Zipf};
+use crate::trace::Trace;
 
 /// Token ids are drawn below this, like a real tokenizer's vocabulary.
 const VOCAB: u64 = 128_000;
@@ -54,6 +57,94 @@ impl Arrivals {
             self.t_s += gap;
         }
         (self.t_s * 1e6).round() as u64
+    }
+}
+
+/// Where a run's requests come from.
+#[derive(Debug, Clone)]
+pub(crate) enum Workload {
+    Synthetic(Box<Synthetic>),
+    Trace(Replay),
+}
+
+impl Workload {
+    pub(crate) fn new(cfg: &SimConfig) -> Self {
+        match &cfg.trace {
+            Some(t) => Workload::Trace(Replay::new(cfg, Arc::clone(t))),
+            None => Workload::Synthetic(Box::new(Synthetic::new(cfg))),
+        }
+    }
+
+    pub(crate) fn next_request(&mut self) -> Option<RequestSpec> {
+        match self {
+            Workload::Synthetic(s) => s.next_request(),
+            Workload::Trace(t) => t.next_request(),
+        }
+    }
+
+    pub(crate) fn describe(&self) -> String {
+        match self {
+            Workload::Synthetic(s) => s.describe(),
+            Workload::Trace(t) => t.describe(),
+        }
+    }
+}
+
+/// Replays a trace's first requests, with its own timestamps or re-timed.
+#[derive(Debug, Clone)]
+pub(crate) struct Replay {
+    trace: Arc<Trace>,
+    next: usize,
+    end: usize,
+    speedup: f64,
+    arrivals: Option<Arrivals>,
+}
+
+impl Replay {
+    fn new(cfg: &SimConfig, trace: Arc<Trace>) -> Self {
+        let arrivals = (cfg.trace_timing == TraceTiming::Rate).then(|| {
+            Arrivals::new(
+                cfg.arrival_model,
+                cfg.request_rate,
+                cfg.arrival_cv,
+                SimRng::new(cfg.seed, 2),
+            )
+        });
+        Replay {
+            end: cfg.request_count(),
+            trace,
+            next: 0,
+            speedup: cfg.trace_speedup,
+            arrivals,
+        }
+    }
+
+    fn next_request(&mut self) -> Option<RequestSpec> {
+        if self.next >= self.end {
+            return None;
+        }
+        let r = self.trace.requests().get(self.next)?;
+        self.next += 1;
+        let arrival_us = match &mut self.arrivals {
+            Some(a) => a.next_us(),
+            None => (r.arrival_us as f64 / self.speedup).round() as u64,
+        };
+        Some(RequestSpec {
+            arrival_us,
+            input_len: r.input_len,
+            output_len: r.output_len,
+            blocks: r.blocks.clone(),
+        })
+    }
+
+    fn describe(&self) -> String {
+        let name = std::path::Path::new(self.trace.name())
+            .file_name()
+            .map_or_else(
+                || self.trace.name().to_string(),
+                |f| f.to_string_lossy().into_owned(),
+            );
+        format!("trace: {name} ({} requests)", self.end)
     }
 }
 

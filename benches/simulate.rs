@@ -1,0 +1,62 @@
+//! Whole simulated runs, reported as simulated requests per wall-clock second.
+
+// criterion_group! generates an undocumented public function.
+#![allow(missing_docs)]
+
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use kvkit::kvblock::BlockSize;
+use kvkit::kvsim::{SimConfig, Simulation};
+
+fn config(
+    requests: usize,
+    instances: usize,
+    rate: f64,
+    block_size: usize,
+    kv_blocks: Option<usize>,
+) -> SimConfig {
+    let mut c = SimConfig::default();
+    c.num_requests = requests;
+    c.instances = instances;
+    c.request_rate = rate;
+    c.block_size = BlockSize::new(block_size).expect("non-zero");
+    c.kv_blocks = kv_blocks;
+    c
+}
+
+fn simulate(c: &mut Criterion) {
+    let mut group = c.benchmark_group("simulate");
+    group
+        .sample_size(10)
+        .measurement_time(Duration::from_secs(8))
+        .warm_up_time(Duration::from_secs(1));
+    let runs = [
+        // The source document's run: 200 requests, 4 instances, 8 prefixes of 2,048 tokens, block 512.
+        (
+            "source document run (200 req, 4 inst, block 512)",
+            config(200, 4, 6.0, 512, None),
+        ),
+        // The same fleet shape scaled to 100k requests over 16 instances.
+        (
+            "100k req, 16 inst, block 512",
+            config(100_000, 16, 96.0, 512, None),
+        ),
+        // Block 16: 256 blocks per prompt through caches, index and load tracker, bounded caches.
+        (
+            "20k req, 16 inst, block 16, 30k blocks/inst",
+            config(20_000, 16, 60.0, 16, Some(30_000)),
+        ),
+    ];
+    for (name, cfg) in runs {
+        group.throughput(Throughput::Elements(cfg.num_requests as u64));
+        let sim = Simulation::new(cfg).expect("valid");
+        group.bench_function(BenchmarkId::from_parameter(name), |b| {
+            b.iter(|| sim.run().expect("runs"))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, simulate);
+criterion_main!(benches);

@@ -1,0 +1,86 @@
+//! The sweep chart: hit rate and TTFT p99 against the swept value, on two y axes.
+
+use std::path::Path;
+
+use plotters::prelude::*;
+
+use crate::sweep::Row;
+
+pub(crate) fn draw(path: &Path, name: &str, rows: &[Row]) -> Result<(), String> {
+    let err = |e: &dyn std::fmt::Display| e.to_string();
+    let root = SVGBackend::new(path, (900, 520)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let n = rows.len().max(1);
+    let ttft_max = rows.iter().map(|r| r.ttft_p99_ms).fold(1.0, f64::max) * 1.1;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(format!("kvsim sweep of {name}"), ("sans-serif", 22))
+        .margin(16)
+        .x_label_area_size(44)
+        .y_label_area_size(60)
+        .right_y_label_area_size(70)
+        .build_cartesian_2d(-0.5f64..(n as f64 - 0.5), 0f64..100f64)
+        .map_err(|e| err(&e))?
+        .set_secondary_coord(-0.5f64..(n as f64 - 0.5), 0f64..ttft_max);
+    let label = |x: &f64| {
+        let i = x.round();
+        if (x - i).abs() < 1e-6 && i >= 0.0 {
+            rows.get(i as usize)
+                .map(|r| r.value.clone())
+                .unwrap_or_default()
+        } else {
+            String::new()
+        }
+    };
+    chart
+        .configure_mesh()
+        .x_desc(name)
+        .y_desc("request hit rate (%)")
+        .x_labels(n.min(24) * 2 + 1)
+        .x_label_formatter(&label)
+        .disable_x_mesh()
+        .draw()
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_secondary_axes()
+        .y_desc("TTFT p99 (ms)")
+        .draw()
+        .map_err(|e| err(&e))?;
+    let hits: Vec<(f64, f64)> = rows
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (i as f64, r.request_hit_rate * 100.0))
+        .collect();
+    let ttft: Vec<(f64, f64)> = rows
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (i as f64, r.ttft_p99_ms))
+        .collect();
+    chart
+        .draw_series(LineSeries::new(hits.clone(), BLUE.stroke_width(2)))
+        .map_err(|e| err(&e))?
+        .label("request hit rate (left)")
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE.stroke_width(2)));
+    chart
+        .draw_series(hits.iter().map(|&p| Circle::new(p, 4, BLUE.filled())))
+        .map_err(|e| err(&e))?;
+    chart
+        .draw_secondary_series(LineSeries::new(ttft.clone(), RED.stroke_width(2)))
+        .map_err(|e| err(&e))?
+        .label("TTFT p99 (right)")
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED.stroke_width(2)));
+    chart
+        .draw_secondary_series(
+            ttft.iter()
+                .map(|&p| TriangleMarker::new(p, 5, RED.filled())),
+        )
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
+}

@@ -1,0 +1,219 @@
+//! `kvsim sweep`: one simulation per value of a run parameter, on every core.
+
+use std::fmt::Write as _;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use kvsim::{Report, SimConfig, Simulation};
+use serde::Serialize;
+
+use crate::SweepArgs;
+
+/// One row of the sweep table.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Row {
+    pub(crate) param: String,
+    pub(crate) value: String,
+    pub(crate) request_hit_rate: f64,
+    pub(crate) block_reuse: f64,
+    pub(crate) per_instance_hit_rate_min: f64,
+    pub(crate) per_instance_hit_rate_max: f64,
+    pub(crate) load_balance: f64,
+    pub(crate) ttft_p50_ms: f64,
+    pub(crate) ttft_p99_ms: f64,
+    pub(crate) itl_p99_ms: f64,
+    pub(crate) makespan_s: f64,
+    pub(crate) evictions: u64,
+    pub(crate) completed: usize,
+    pub(crate) rejected: usize,
+}
+
+impl Row {
+    fn new(param: &str, value: &str, r: &Report) -> Self {
+        Row {
+            param: param.to_string(),
+            value: value.to_string(),
+            request_hit_rate: r.request_hit_rate,
+            block_reuse: r.block_reuse,
+            per_instance_hit_rate_min: r.per_instance_hit_rate_min,
+            per_instance_hit_rate_max: r.per_instance_hit_rate_max,
+            load_balance: r.load_balance,
+            ttft_p50_ms: r.ttft_ms.p50,
+            ttft_p99_ms: r.ttft_ms.p99,
+            itl_p99_ms: r.itl_ms.p99,
+            makespan_s: r.makespan_s,
+            evictions: r.evictions,
+            completed: r.completed,
+            rejected: r.rejected,
+        }
+    }
+}
+
+/// A progress bar on stderr.
+pub(crate) fn bar(total: u64, unit: &str) -> ProgressBar {
+    let b = ProgressBar::new(total);
+    let style =
+        ProgressStyle::with_template(&format!("{{bar:40}} {{pos}}/{{len}} {unit} ({{elapsed}})"))
+            .unwrap_or_else(|_| ProgressStyle::default_bar());
+    b.set_style(style);
+    b
+}
+
+/// Splits `NAME=V1,V2,...` into the flag name (without dashes) and its values.
+pub(crate) fn parse_param(s: &str) -> Result<(String, Vec<String>), String> {
+    let (name, values) = s.split_once('=').ok_or_else(|| {
+        format!("invalid --param {s:?}: expected NAME=V1,V2,... (e.g. des-overlap-weight=0,1,2)")
+    })?;
+    let name = name.trim().trim_start_matches('-').to_string();
+    let values: Vec<String> = values.split(',').map(|v| v.trim().to_string()).collect();
+    if name.is_empty() || values.iter().any(String::is_empty) {
+        return Err(format!(
+            "invalid --param {s:?}: expected NAME=V1,V2,... with no empty value"
+        ));
+    }
+    Ok((name, values))
+}
+
+/// Runs every configuration on `jobs` threads; results keep the order of the values.
+fn run_all(
+    configs: &[(String, SimConfig)],
+    jobs: usize,
+    progress: bool,
+) -> Result<Vec<Report>, String> {
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<Result<Report, String>>>> = Mutex::new(vec![None; configs.len()]);
+    let bar = progress.then(|| bar(configs.len() as u64, "runs"));
+    std::thread::scope(|s| {
+        for _ in 0..jobs.clamp(1, configs.len().max(1)) {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some((_, cfg)) = configs.get(i) else {
+                    break;
+                };
+                let r = Simulation::new(cfg.clone())
+                    .and_then(|sim| sim.run())
+                    .map_err(|e| e.to_string());
+                if let Ok(mut all) = results.lock() {
+                    all[i] = Some(r);
+                }
+                if let Some(b) = &bar {
+                    b.inc(1);
+                }
+            });
+        }
+    });
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    let all = results
+        .into_inner()
+        .map_err(|_| "a simulation thread panicked".to_string())?;
+    all.into_iter()
+        .map(|r| r.unwrap_or_else(|| Err("a simulation did not run".to_string())))
+        .collect()
+}
+
+pub(crate) fn main(args: &SweepArgs, name: &str, configs: Vec<(String, SimConfig)>) -> ExitCode {
+    let jobs = args
+        .jobs
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let reports = match run_all(&configs, jobs, args.run.progress()) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("kvsim: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let rows: Vec<Row> = configs
+        .iter()
+        .zip(&reports)
+        .map(|((v, _), r)| Row::new(name, v, r))
+        .collect();
+    if let Some(path) = &args.csv {
+        if let Err(e) = std::fs::write(path, to_csv(&rows)) {
+            eprintln!("kvsim: --csv {}: {e}", path.display());
+            return ExitCode::from(2);
+        }
+    }
+    if let Some(path) = &args.plot {
+        if let Err(e) = crate::plot::draw(path, name, &rows) {
+            eprintln!("kvsim: --plot {}: {e}", path.display());
+            return ExitCode::from(2);
+        }
+    }
+    if args.run.json() {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&rows).unwrap_or_default()
+        );
+    } else {
+        let head = reports
+            .first()
+            .map(|r| r.to_text(false))
+            .unwrap_or_default();
+        let fleet = head.lines().next().unwrap_or("").trim();
+        print!("{}", to_table(name, fleet, &rows));
+    }
+    ExitCode::SUCCESS
+}
+
+fn to_csv(rows: &[Row]) -> String {
+    let mut s = String::from(
+        "param,value,request_hit_rate,block_reuse,per_instance_hit_rate_min,per_instance_hit_rate_max,\
+         load_balance,ttft_p50_ms,ttft_p99_ms,itl_p99_ms,makespan_s,evictions,completed,rejected\n",
+    );
+    for r in rows {
+        let _ = writeln!(
+            s,
+            "{},{},{:.6},{:.6},{:.6},{:.6},{:.4},{:.3},{:.3},{:.3},{:.3},{},{},{}",
+            r.param,
+            r.value,
+            r.request_hit_rate,
+            r.block_reuse,
+            r.per_instance_hit_rate_min,
+            r.per_instance_hit_rate_max,
+            r.load_balance,
+            r.ttft_p50_ms,
+            r.ttft_p99_ms,
+            r.itl_p99_ms,
+            r.makespan_s,
+            r.evictions,
+            r.completed,
+            r.rejected
+        );
+    }
+    s
+}
+
+fn to_table(name: &str, fleet: &str, rows: &[Row]) -> String {
+    let w = rows
+        .iter()
+        .map(|r| r.value.len())
+        .max()
+        .unwrap_or(0)
+        .max(name.len());
+    let mut s = format!("  Sweep of {name} over {} value(s) | {fleet}\n", rows.len());
+    let _ = writeln!(
+        s,
+        "  {name:>w$}  hit-rate  block-reuse  per-instance  balance  TTFT p50  TTFT p99   ITL p99  makespan"
+    );
+    for r in rows {
+        let _ = writeln!(
+            s,
+            "  {:>w$}  {:>7.1}%  {:>10.1}%  {:>12}  {:>7.2}  {:>5.0} ms  {:>5.0} ms  {:>5.1} ms  {:>6.1} s{}",
+            r.value,
+            r.request_hit_rate * 100.0,
+            r.block_reuse * 100.0,
+            format!("{:.0}–{:.0}%", r.per_instance_hit_rate_min * 100.0, r.per_instance_hit_rate_max * 100.0),
+            r.load_balance,
+            r.ttft_p50_ms,
+            r.ttft_p99_ms,
+            r.itl_p99_ms,
+            r.makespan_s,
+            if r.load_balance > kvsim::HOT_SPOT_THRESHOLD { "  hot spot" } else { "" }
+        );
+    }
+    s
+}

@@ -1,0 +1,358 @@
+//! Trace replay: validation with FILE:LINE errors, replay equal to the ideal hit rate, and the
+//! real Mooncake traces when the shared data is present.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use kvblock::BlockSize;
+use kvsim::{ArrivalModel, Policy, SimConfig, Simulation, Trace, TraceTiming};
+
+fn bs(n: usize) -> BlockSize {
+    BlockSize::new(n).unwrap()
+}
+
+/// A small prefix-chained trace: conversations that grow turn by turn, sharing a system prompt.
+fn generated_trace(convs: u64, turns: u64) -> String {
+    let mut lines = Vec::new();
+    let mut next_id = 1u64;
+    let mut histories: Vec<Vec<u64>> = (0..convs).map(|_| vec![0]).collect();
+    for turn in 0..turns {
+        for (c, h) in histories.iter_mut().enumerate() {
+            for _ in 0..(1 + (c as u64 + turn) % 3) {
+                h.push(next_id);
+                next_id += 1;
+            }
+            let input = h.len() * 16 - (c % 2) * 5; // odd conversations end in a partial block
+            lines.push(format!(
+                r#"{{"timestamp": {}, "input_length": {input}, "output_length": {}, "hash_ids": {:?}, "note": "x"}}"#,
+                turn * 1000 + c as u64 * 10,
+                3 + c % 4,
+                h
+            ));
+        }
+    }
+    lines.join("\n")
+}
+
+#[test]
+fn replay_one_instance_equals_the_ideal_hit_rate() {
+    let trace = Trace::parse("gen.jsonl", &generated_trace(7, 9), bs(16)).unwrap();
+    let ideal = trace.stats().ideal_hit_rate_full_blocks;
+    assert!(ideal > 0.3, "{ideal}");
+    let mut cfg = SimConfig::default().with_trace(trace);
+    cfg.instances = 1;
+    cfg.trace_timing = TraceTiming::Rate;
+    cfg.arrival_model = ArrivalModel::Constant;
+    cfg.request_rate = 0.05;
+    let r = Simulation::new(cfg).unwrap().run().unwrap();
+    assert_eq!(r.block_reuse, ideal);
+    assert_eq!(r.completed, 63);
+    assert!(r.content.starts_with("trace: gen.jsonl (63 requests)"));
+}
+
+#[test]
+fn malformed_lines_name_file_line_and_problem() {
+    let ok = r#"{"timestamp": 5, "input_length": 40, "output_length": 2, "hash_ids": [1, 2, 3]}"#;
+    for (bad, expect) in [
+        ("{not json", "gen.jsonl:2: bad JSON"),
+        (r#"[1, 2]"#, "gen.jsonl:2: expected a JSON object"),
+        (
+            r#"{"timestamp": 6, "output_length": 2, "hash_ids": []}"#,
+            "gen.jsonl:2: missing field \"input_length\"",
+        ),
+        (
+            r#"{"timestamp": 6, "input_length": -1, "output_length": 2, "hash_ids": []}"#,
+            "input_length: expected a whole number >= 0, got -1",
+        ),
+        (
+            r#"{"timestamp": 6, "input_length": 1.5, "output_length": 2, "hash_ids": []}"#,
+            "input_length: expected a whole number >= 0, got 1.5",
+        ),
+        (
+            r#"{"timestamp": 6, "input_length": 10, "output_length": "x", "hash_ids": []}"#,
+            "output_length: expected a whole number",
+        ),
+        (
+            r#"{"timestamp": 6, "input_length": 20, "output_length": 2, "hash_ids": [1, 2, 3]}"#,
+            "gen.jsonl:2: 3 hash_ids for input_length 20: at most 2 blocks",
+        ),
+        (
+            r#"{"timestamp": 4, "input_length": 20, "output_length": 2, "hash_ids": [1]}"#,
+            "gen.jsonl:2: timestamp 4 goes backwards",
+        ),
+        (
+            r#"{"timestamp": 6, "input_length": 20, "output_length": 2, "hash_ids": [9, 2]}"#,
+            "hash id 2 follows id 9 here but id 1 on line 1",
+        ),
+        (
+            r#"{"timestamp": 6, "input_length": 20, "output_length": 2, "hash_ids": [1, -2]}"#,
+            "hash_ids: expected whole numbers >= 0, got -2",
+        ),
+    ] {
+        let text = format!("{ok}\n{bad}\n{ok}");
+        let e = Trace::parse("gen.jsonl", &text, bs(16)).unwrap_err();
+        assert!(e.to_string().contains(expect), "{bad}: got {e}");
+        assert_eq!(e.line, 2);
+    }
+}
+
+#[test]
+fn zero_lengths_and_blank_lines_replay_cleanly() {
+    let text = "\n{\"timestamp\": 0, \"input_length\": 0, \"output_length\": 0, \"hash_ids\": []}\n\n\
+                {\"timestamp\": 0, \"input_length\": 16, \"output_length\": 1, \"hash_ids\": [4]}\n";
+    let trace = Trace::parse("z.jsonl", text, bs(16)).unwrap();
+    assert_eq!(trace.requests().len(), 2);
+    let r = Simulation::new(SimConfig::default().with_trace(trace))
+        .unwrap()
+        .run()
+        .unwrap();
+    assert_eq!((r.completed, r.router_errors), (2, 0));
+}
+
+#[test]
+fn block_size_must_match_the_trace() {
+    let trace = Trace::parse("t.jsonl", &generated_trace(2, 2), bs(16)).unwrap();
+    let mut cfg = SimConfig::default().with_trace(trace);
+    cfg.block_size = bs(64);
+    let e = Simulation::new(cfg).unwrap_err().to_string();
+    assert_eq!(
+        e,
+        "invalid --des-block-size 64: expected the trace's block size 16 (its ids name 16-token blocks and cannot be re-blocked)"
+    );
+}
+
+#[test]
+fn speedup_and_request_count() {
+    let trace = Trace::parse("t.jsonl", &generated_trace(3, 4), bs(16)).unwrap();
+    let base = SimConfig::default().with_trace(trace);
+    let mut fast = base.clone();
+    fast.trace_speedup = 10.0;
+    fast.num_requests = 5;
+    let slow = Simulation::new(base).unwrap().run().unwrap();
+    let quick = Simulation::new(fast).unwrap().run().unwrap();
+    assert_eq!((slow.completed, quick.completed), (12, 5));
+    assert!(quick.makespan_s < slow.makespan_s);
+}
+
+fn kvsim(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvsim"))
+        .args(args)
+        .output()
+        .expect("runs");
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (
+        out.status.code().unwrap_or(-1),
+        text(&out.stdout),
+        text(&out.stderr),
+    )
+}
+
+fn temp_file(name: &str, text: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvsim-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+#[test]
+fn cli_trace_errors_exit_2_with_file_and_line() {
+    let good = generated_trace(2, 3);
+    let bad = format!("{good}\n{{\"timestamp\": 99999, \"input_length\": -4, \"output_length\": 1, \"hash_ids\": []}}");
+    let p = temp_file("bad.jsonl", &bad);
+    let p = p.to_str().unwrap();
+    let (code, out, err) = kvsim(&["--trace", p, "--trace-block-size", "16"]);
+    assert_eq!(code, 2);
+    assert!(out.is_empty());
+    assert_eq!(
+        err.trim(),
+        format!("kvsim: {p}:7: input_length: expected a whole number >= 0, got -4")
+    );
+    let g = temp_file("good.jsonl", &good);
+    let g = g.to_str().unwrap();
+    let (code, _, err) = kvsim(&[
+        "--trace",
+        g,
+        "--trace-block-size",
+        "16",
+        "--des-block-size",
+        "512",
+    ]);
+    assert_eq!(code, 2);
+    assert!(err.contains("cannot be re-blocked"), "{err}");
+    let (code, out, _) = kvsim(&[
+        "--trace",
+        g,
+        "--trace-block-size",
+        "16",
+        "--des-num-requests",
+        "4",
+    ]);
+    assert_eq!(code, 0);
+    assert!(
+        out.starts_with("  Fleet: 4 instance(s), routing=kv | trace: good.jsonl (4 requests)\n"),
+        "{out}"
+    );
+    let (code, out, _) = kvsim(&["trace-stats", g, "--trace-block-size", "16"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("Requests: 6") && out.contains("Ideal hit rate"),
+        "{out}"
+    );
+    let (code, _, err) = kvsim(&["trace-stats", "/nonexistent/trace.jsonl"]);
+    assert_eq!(code, 2);
+    assert!(
+        err.starts_with("kvsim: /nonexistent/trace.jsonl: cannot read"),
+        "{err}"
+    );
+}
+
+#[test]
+fn cli_sweep_rows_csv_json_and_plot() {
+    let csv = temp_file("sweep.csv", "");
+    let svg = temp_file("sweep.svg", "");
+    let (code, out, err) = kvsim(&[
+        "sweep",
+        "--param",
+        "des-overlap-weight=0,1,8",
+        "--des-num-requests",
+        "120",
+        "--des-block-size",
+        "512",
+        "--csv",
+        csv.to_str().unwrap(),
+        "--plot",
+        svg.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.starts_with(
+            "  Sweep of des-overlap-weight over 3 value(s) | Fleet: 4 instance(s), routing=kv"
+        ),
+        "{out}"
+    );
+    assert_eq!(out.lines().count(), 5, "{out}");
+    let csv = std::fs::read_to_string(csv).unwrap();
+    assert_eq!(csv.lines().count(), 4);
+    assert!(csv
+        .lines()
+        .nth(1)
+        .unwrap()
+        .starts_with("des-overlap-weight,0,"));
+    let svg = std::fs::read_to_string(svg).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("TTFT p99") && svg.contains("hit rate"));
+    let (code, out, _) = kvsim(&[
+        "sweep",
+        "--param",
+        "des-routing=kv,round_robin",
+        "--des-num-requests",
+        "50",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(code, 0);
+    let rows: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(rows[1]["value"], "round_robin");
+    // A sweep is the same runs as single runs.
+    let (_, single, _) = kvsim(&[
+        "--des-routing",
+        "round_robin",
+        "--des-num-requests",
+        "50",
+        "--format",
+        "json",
+    ]);
+    let single: serde_json::Value = serde_json::from_str(&single).unwrap();
+    assert_eq!(rows[1]["request_hit_rate"], single["request_hit_rate"]);
+    for (args, needle) in [
+        (
+            &["sweep", "--param", "des-instances=2,0"][..],
+            "--param des-instances=0: invalid --des-instances 0",
+        ),
+        (
+            &["sweep", "--param", "no-such-flag=1"][..],
+            "--param no-such-flag=1: unexpected argument '--no-such-flag'",
+        ),
+        (
+            &["sweep", "--param", "des-instances"][..],
+            "expected NAME=V1,V2",
+        ),
+    ] {
+        let (code, _, err) = kvsim(args);
+        assert_eq!(code, 2, "{args:?}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1);
+    }
+}
+
+fn shared(name: &str) -> Option<PathBuf> {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/data")
+        .join(name);
+    if p.exists() {
+        Some(p)
+    } else {
+        println!(
+            "skipped: {} is absent (the shared data sits beside the repository in CI only)",
+            p.display()
+        );
+        None
+    }
+}
+
+/// The acceptance figures on the real traces: replaying with one unbounded instance and
+/// non-overlapping arrivals reuses exactly the ideal share of full blocks.
+#[test]
+fn mooncake_traces_replay_to_their_ideal_hit_rate() {
+    for (name, ideal) in [
+        ("mooncake_synthetic_trace.jsonl", 0.659),
+        ("mooncake_conversation_trace.jsonl", 0.382),
+    ] {
+        let Some(path) = shared(name) else { return };
+        let trace = Trace::load(&path, bs(512)).unwrap();
+        let stats = trace.stats();
+        assert!(
+            (stats.ideal_hit_rate_full_blocks - ideal).abs() < 0.0005,
+            "{name}: {}",
+            stats.ideal_hit_rate_full_blocks
+        );
+        let mut cfg = SimConfig::default().with_trace(trace);
+        cfg.instances = 1;
+        cfg.trace_timing = TraceTiming::Rate;
+        cfg.arrival_model = ArrivalModel::Constant;
+        cfg.request_rate = 0.05;
+        let r = Simulation::new(cfg).unwrap().run().unwrap();
+        assert_eq!(r.block_reuse, stats.ideal_hit_rate_full_blocks, "{name}");
+    }
+}
+
+/// On the conversation trace every request starts with block 0: kv beats round robin on block
+/// reuse by a wide margin, and prefix_aware with K=1 sends everything to one instance.
+#[test]
+fn conversation_trace_policies() {
+    let Some(path) = shared("mooncake_conversation_trace.jsonl") else {
+        return;
+    };
+    let trace = Trace::load(&path, bs(512)).unwrap();
+    let run = |policy| {
+        let mut cfg = SimConfig::default().with_trace(trace.clone());
+        cfg.instances = 8;
+        cfg.kv_blocks = Some(2000);
+        cfg.num_requests = 4000;
+        cfg.routing = policy;
+        Simulation::new(cfg).unwrap().run().unwrap()
+    };
+    let (kv, rr, pa) = (
+        run(Policy::Kv),
+        run(Policy::RoundRobin),
+        run(Policy::PrefixAware),
+    );
+    assert!(
+        kv.block_reuse > 1.5 * rr.block_reuse,
+        "kv {} vs round robin {}",
+        kv.block_reuse,
+        rr.block_reuse
+    );
+    assert!(pa.hot_spot && pa.load_balance > 7.9, "{}", pa.load_balance);
+    assert!(pa.to_text(false).contains("WARNING: hot-spotting"));
+}
