@@ -288,24 +288,40 @@ impl BlockCache {
 
     /// Pins the resident leading run of `chain` for an in-flight request (reference counted).
     /// Returns the run's length. Blocks after the run are not pinned.
+    ///
+    /// The run follows the chain as the cache holds it: it stops at a block that is not
+    /// resident or that the cache holds under another parent (a chain that repeats a block, say).
     pub fn pin(&mut self, chain: &[BlockHash]) -> usize {
+        let mut prev = NIL;
         let mut n = 0;
         for h in chain {
-            let Some(&s) = self.map.get(h) else { break };
-            self.pin_slot(s);
-            n += 1;
+            match self.map.get(h) {
+                Some(&s) if self.slots[s as usize].parent == prev => {
+                    self.pin_slot(s);
+                    prev = s;
+                    n += 1;
+                }
+                _ => break,
+            }
         }
         n
     }
 
-    /// Releases one pin from each block of the leading run of `chain` that is resident and
-    /// pinned; a block whose last pin goes counts as used now. Returns how many were released.
+    /// Releases one pin from each block of the leading run of `chain` that is resident, linked
+    /// as [`pin`](Self::pin) follows it, and pinned; a block whose last pin goes counts as used
+    /// now. Returns how many were released.
     pub fn unpin(&mut self, chain: &[BlockHash]) -> usize {
         let mut scratch = std::mem::take(&mut self.scratch);
         scratch.clear();
+        let mut prev = NIL;
         for h in chain {
             match self.map.get(h) {
-                Some(&s) if self.slots[s as usize].pins > 0 => scratch.push(s),
+                Some(&s)
+                    if self.slots[s as usize].pins > 0 && self.slots[s as usize].parent == prev =>
+                {
+                    scratch.push(s);
+                    prev = s;
+                }
                 _ => break,
             }
         }

@@ -5,99 +5,177 @@ use kvblock::BlockHash;
 use crate::hasher::Map;
 use crate::{Error, KvEvent, WorkerId};
 
-/// The workers holding one block: a sparse bitset over dense worker indices, as sorted
-/// `(word, bits)` pairs. One word covers 64 workers, so a block held by a few workers costs one
-/// pair and an intersection costs one AND per non-empty word.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum WorkerSet {
-    One((u32, u64)),
-    Many(Vec<(u32, u64)>),
+/// The workers holding one block, in 8 bytes so that a block map entry is 16 (four to a cache
+/// line): the map is what ingestion and lookups miss the CPU cache on.
+///
+/// - Inline (bit 63 clear): the holders fall in one aligned group of 32 dense indices; bits
+///   32..63 are the group, bits 0..32 its members. A block held by one worker, or by a few
+///   neighbouring ones, stays inline and costs nothing more.
+/// - Spilled (bit 63 set): the low 32 bits index a [`Spill`] list, a sparse bitset over dense
+///   worker indices as sorted `(word, bits)` pairs, one word per 64 workers.
+///
+/// Either way [`words`](Self::words) presents the set as `(word, bits)` pairs, so an intersection
+/// costs one AND per non-empty word.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct WorkerSet(u64);
+
+const SPILLED: u64 = 1 << 63;
+
+/// The holder lists of spilled [`WorkerSet`]s, with their free slots (kept allocated for reuse).
+#[derive(Debug, Clone, Default)]
+struct Spill {
+    lists: Vec<Vec<(u32, u64)>>,
+    free: Vec<u32>,
 }
 
-impl WorkerSet {
-    fn single(idx: u32) -> Self {
-        WorkerSet::One((idx / 64, 1 << (idx % 64)))
-    }
-
-    fn words(&self) -> &[(u32, u64)] {
-        match self {
-            WorkerSet::One(pair) => std::slice::from_ref(pair),
-            WorkerSet::Many(v) => v,
+impl Spill {
+    fn alloc(&mut self) -> u32 {
+        match self.free.pop() {
+            Some(i) => i,
+            None => {
+                self.lists.push(Vec::new());
+                (self.lists.len() - 1) as u32
+            }
         }
     }
 
-    fn contains(&self, idx: u32) -> bool {
-        let (word, bit) = (idx / 64, 1u64 << (idx % 64));
-        match self {
-            WorkerSet::One((w, b)) => *w == word && *b & bit != 0,
-            WorkerSet::Many(v) => v
-                .binary_search_by_key(&word, |p| p.0)
-                .is_ok_and(|i| v[i].1 & bit != 0),
+    fn release(&mut self, i: u32) {
+        self.lists[i as usize].clear();
+        self.free.push(i);
+    }
+}
+
+impl WorkerSet {
+    const EMPTY: WorkerSet = WorkerSet(0);
+
+    fn single(idx: u32) -> Self {
+        WorkerSet((u64::from(idx / 32) << 32) | (1 << (idx % 32)))
+    }
+
+    fn inline(group: u32, members: u32) -> Self {
+        WorkerSet((u64::from(group) << 32) | u64::from(members))
+    }
+
+    /// `Err(list)` when spilled, else `Ok((group, members))`.
+    #[inline]
+    fn form(self) -> Result<(u32, u32), u32> {
+        if self.0 & SPILLED != 0 {
+            Err(self.0 as u32)
+        } else {
+            Ok(((self.0 >> 32) as u32, self.0 as u32))
+        }
+    }
+
+    /// The set as sorted `(word, bits)` pairs; `buf` holds the one pair of an inline set.
+    #[inline]
+    fn words<'a>(self, spill: &'a Spill, buf: &'a mut [(u32, u64); 1]) -> &'a [(u32, u64)] {
+        match self.form() {
+            Err(i) => &spill.lists[i as usize],
+            Ok((group, members)) => {
+                buf[0] = (group / 2, u64::from(members) << (32 * (group % 2)));
+                &buf[..]
+            }
+        }
+    }
+
+    fn contains(self, idx: u32, spill: &Spill) -> bool {
+        match self.form() {
+            Ok((group, members)) => group == idx / 32 && members & (1 << (idx % 32)) != 0,
+            Err(i) => {
+                let v = &spill.lists[i as usize];
+                let (word, bit) = (idx / 64, 1u64 << (idx % 64));
+                v.binary_search_by_key(&word, |p| p.0)
+                    .is_ok_and(|j| v[j].1 & bit != 0)
+            }
         }
     }
 
     /// Adds `idx`; true if it was absent.
-    fn insert(&mut self, idx: u32) -> bool {
+    fn insert(&mut self, idx: u32, spill: &mut Spill) -> bool {
         let (word, bit) = (idx / 64, 1u64 << (idx % 64));
-        match self {
-            WorkerSet::One((w, b)) if *w == word => {
-                let absent = *b & bit == 0;
-                *b |= bit;
-                absent
+        match self.form() {
+            Ok((group, members)) if group == idx / 32 || members == 0 => {
+                let b = 1 << (idx % 32);
+                let same = if group == idx / 32 { members } else { 0 };
+                *self = WorkerSet::inline(idx / 32, same | b);
+                same & b == 0
             }
-            WorkerSet::One((w, b)) => {
-                let mut v = vec![(*w, *b), (word, bit)];
-                v.sort_unstable_by_key(|p| p.0);
-                *self = WorkerSet::Many(v);
+            Ok((group, members)) => {
+                let old = (group / 2, u64::from(members) << (32 * (group % 2)));
+                let i = spill.alloc();
+                let v = &mut spill.lists[i as usize];
+                if old.0 == word {
+                    v.push((word, old.1 | bit));
+                } else if old.0 < word {
+                    v.extend([old, (word, bit)]);
+                } else {
+                    v.extend([(word, bit), old]);
+                }
+                *self = WorkerSet(SPILLED | u64::from(i));
                 true
             }
-            WorkerSet::Many(v) => match v.binary_search_by_key(&word, |p| p.0) {
-                Ok(i) => {
-                    let absent = v[i].1 & bit == 0;
-                    v[i].1 |= bit;
-                    absent
-                }
-                Err(i) => {
-                    v.insert(i, (word, bit));
-                    true
-                }
-            },
-        }
-    }
-
-    /// Removes `idx`; true if it was present.
-    fn remove(&mut self, idx: u32) -> bool {
-        let (word, bit) = (idx / 64, 1u64 << (idx % 64));
-        match self {
-            WorkerSet::One((w, b)) => {
-                let present = *w == word && *b & bit != 0;
-                if present {
-                    *b &= !bit;
-                }
-                present
-            }
-            WorkerSet::Many(v) => {
-                let Ok(i) = v.binary_search_by_key(&word, |p| p.0) else {
-                    return false;
-                };
-                let present = v[i].1 & bit != 0;
-                v[i].1 &= !bit;
-                if v[i].1 == 0 {
-                    v.remove(i);
-                    if let [(w, b)] = v[..] {
-                        *self = WorkerSet::One((w, b));
+            Err(i) => {
+                let v = &mut spill.lists[i as usize];
+                match v.binary_search_by_key(&word, |p| p.0) {
+                    Ok(j) => {
+                        let absent = v[j].1 & bit == 0;
+                        v[j].1 |= bit;
+                        absent
+                    }
+                    Err(j) => {
+                        v.insert(j, (word, bit));
+                        true
                     }
                 }
+            }
+        }
+    }
+
+    /// Removes `idx`; true if it was present. A spilled set that fits inline again goes back.
+    fn remove(&mut self, idx: u32, spill: &mut Spill) -> bool {
+        match self.form() {
+            Ok((group, members)) => {
+                let b = 1 << (idx % 32);
+                let present = group == idx / 32 && members & b != 0;
+                if present {
+                    *self = WorkerSet::inline(group, members & !b);
+                }
+                present
+            }
+            Err(i) => {
+                let (word, bit) = (idx / 64, 1u64 << (idx % 64));
+                let v = &mut spill.lists[i as usize];
+                let Ok(j) = v.binary_search_by_key(&word, |p| p.0) else {
+                    return false;
+                };
+                let present = v[j].1 & bit != 0;
+                v[j].1 &= !bit;
+                if v[j].1 == 0 {
+                    v.remove(j);
+                }
+                match v[..] {
+                    [] => {
+                        spill.release(i);
+                        *self = WorkerSet::EMPTY;
+                    }
+                    [(w, b)] if b >> 32 == 0 || b as u32 == 0 => {
+                        let (group, members) = if b >> 32 == 0 {
+                            (w * 2, b as u32)
+                        } else {
+                            (w * 2 + 1, (b >> 32) as u32)
+                        };
+                        spill.release(i);
+                        *self = WorkerSet::inline(group, members);
+                    }
+                    _ => {}
+                }
                 present
             }
         }
     }
 
-    fn is_empty(&self) -> bool {
-        match self {
-            WorkerSet::One((_, b)) => *b == 0,
-            WorkerSet::Many(v) => v.is_empty(),
-        }
+    fn is_empty(self) -> bool {
+        self.0 & SPILLED == 0 && self.0 as u32 == 0
     }
 }
 
@@ -209,6 +287,7 @@ impl Overlaps {
 #[derive(Debug, Clone, Default)]
 pub struct CacheIndex {
     blocks: Map<BlockHash, WorkerSet>,
+    spill: Spill,
     workers: Vec<Option<WorkerState>>,
     ids: Map<WorkerId, u32>,
     free: Vec<u32>,
@@ -280,7 +359,11 @@ impl CacheIndex {
         match event {
             KvEvent::Stored { parent, blocks } => {
                 if let Some(p) = *parent {
-                    if !self.blocks.get(&p).is_some_and(|s| s.contains(idx)) {
+                    if !self
+                        .blocks
+                        .get(&p)
+                        .is_some_and(|s| s.contains(idx, &self.spill))
+                    {
                         st.stale = true;
                         return Err(Error::UnknownParent {
                             worker,
@@ -291,7 +374,9 @@ impl CacheIndex {
                 }
                 for &b in blocks {
                     let newly = match self.blocks.entry(b) {
-                        hashbrown::hash_map::Entry::Occupied(mut e) => e.get_mut().insert(idx),
+                        hashbrown::hash_map::Entry::Occupied(mut e) => {
+                            e.get_mut().insert(idx, &mut self.spill)
+                        }
                         hashbrown::hash_map::Entry::Vacant(v) => {
                             v.insert(WorkerSet::single(idx));
                             true
@@ -310,7 +395,7 @@ impl CacheIndex {
                 for &b in blocks {
                     let removed = match self.blocks.entry(b) {
                         hashbrown::hash_map::Entry::Occupied(mut e) => {
-                            let removed = e.get_mut().remove(idx);
+                            let removed = e.get_mut().remove(idx, &mut self.spill);
                             if e.get().is_empty() {
                                 e.remove();
                             }
@@ -366,8 +451,9 @@ impl CacheIndex {
             return;
         };
         if st.blocks > 0 {
+            let spill = &mut self.spill;
             self.blocks.retain(|_, set| {
-                set.remove(idx);
+                set.remove(idx, spill);
                 !set.is_empty()
             });
         }
@@ -388,9 +474,14 @@ impl CacheIndex {
         let Some(first) = chain.first().and_then(|h| self.blocks.get(h)) else {
             return;
         };
-        out.active.extend_from_slice(first.words());
+        let mut buf = [(0, 0)];
+        out.active
+            .extend_from_slice(first.words(&self.spill, &mut buf));
         for (depth, h) in chain.iter().enumerate().skip(1) {
-            let holders = self.blocks.get(h).map_or(&[][..], |s| s.words());
+            let holders = match self.blocks.get(h) {
+                Some(s) => s.words(&self.spill, &mut buf),
+                None => &[],
+            };
             out.next.clear();
             let mut j = 0;
             for &(word, bits) in &out.active {
@@ -439,7 +530,7 @@ impl CacheIndex {
     /// Whether `worker` is believed to hold `block`.
     pub fn holds(&self, worker: WorkerId, block: BlockHash) -> bool {
         match (self.ids.get(&worker), self.blocks.get(&block)) {
-            (Some(&i), Some(set)) => set.contains(i),
+            (Some(&i), Some(set)) => set.contains(i, &self.spill),
             _ => false,
         }
     }
@@ -504,7 +595,8 @@ impl CacheIndex {
             if set.is_empty() {
                 return Err(format!("{h} has an empty holder set"));
             }
-            let words = set.words();
+            let mut buf = [(0, 0)];
+            let words = set.words(&self.spill, &mut buf);
             if words.windows(2).any(|p| p[0].0 >= p[1].0) || words.iter().any(|p| p.1 == 0) {
                 return Err(format!("{h} has a malformed holder set"));
             }
@@ -529,6 +621,10 @@ impl CacheIndex {
                     ));
                 }
             }
+        }
+        let spilled = self.blocks.values().filter(|s| s.form().is_err()).count();
+        if spilled + self.spill.free.len() != self.spill.lists.len() {
+            return Err("spilled holder lists leak".into());
         }
         if per.iter().sum::<usize>() != self.pairs
             || self.ids.len() + self.free.len() != self.workers.len()

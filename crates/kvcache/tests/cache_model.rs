@@ -117,18 +117,30 @@ impl Model {
         }
         Ok(new.len())
     }
+    /// The leading run of `chain` that is resident and linked as the cache holds it.
+    fn linked_run(&self, chain: &[BlockHash], pinned: bool) -> usize {
+        let mut prev = None;
+        let mut n = 0;
+        for h in chain {
+            match self.get(*h) {
+                Some(b) if b.parent == prev && (!pinned || b.pins > 0) => {
+                    prev = Some(*h);
+                    n += 1;
+                }
+                _ => break,
+            }
+        }
+        n
+    }
     fn pin(&mut self, chain: &[BlockHash]) -> usize {
-        let run = self.match_len(chain);
+        let run = self.linked_run(chain, false);
         for h in &chain[..run] {
             self.get_mut(*h).expect("resident").pins += 1;
         }
         run
     }
     fn unpin(&mut self, chain: &[BlockHash]) -> usize {
-        let run = chain
-            .iter()
-            .take_while(|h| self.get(**h).is_some_and(|b| b.pins > 0))
-            .count();
+        let run = self.linked_run(chain, true);
         for h in chain[..run].iter().rev() {
             let b = self.get_mut(*h).expect("resident");
             b.pins -= 1;
@@ -246,6 +258,18 @@ proptest! {
             }
         }
     }
+}
+
+/// Found by the model test: a chain that repeats a block must not release one pin twice.
+#[test]
+fn repeated_block_in_a_chain_pins_and_unpins_once() {
+    let b = BlockHash::new(2);
+    let mut c = BlockCache::new(None);
+    c.insert(&[b]).unwrap();
+    assert_eq!(c.pin(&[b, b]), 1);
+    assert_eq!(c.unpin(&[b, b]), 1);
+    assert_eq!(c.pin_count(b), 0);
+    c.check_invariants().unwrap();
 }
 
 #[test]

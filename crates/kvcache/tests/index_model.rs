@@ -114,9 +114,16 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
 
     #[test]
-    fn index_matches_model(ops in prop::collection::vec(op(), 1..100)) {
+    fn index_matches_model(placeholders in prop::sample::select(vec![0u64, 30, 61]), ops in prop::collection::vec(op(), 1..100)) {
         let mut real = CacheIndex::new();
         let mut model = Model::default();
+        // Dense indices follow registration order: placeholders push the tested workers across
+        // the 32- and 64-worker boundaries of the holder sets.
+        for k in 0..placeholders {
+            let w = WorkerId::new(10_000 + k);
+            real.add_worker(w).unwrap();
+            model.workers.entry(w).or_default();
+        }
         for op in &ops {
             match op {
                 Op::Apply { worker, id_delta, event } => {
