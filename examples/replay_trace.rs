@@ -20,7 +20,9 @@ fn main() -> ExitCode {
         .unwrap_or_else(|| PathBuf::from("../shared/data/mooncake_conversation_trace.jsonl"));
     let instances: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(8);
     let kv_blocks: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(2_000);
-    let Ok(block_size) = BlockSize::new(512) else { return ExitCode::FAILURE };
+    let Ok(block_size) = BlockSize::new(512) else {
+        return ExitCode::FAILURE;
+    };
     let trace = match Trace::load(&path, block_size) {
         Ok(t) => t,
         Err(e) => {

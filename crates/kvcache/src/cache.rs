@@ -289,16 +289,18 @@ impl BlockCache {
     /// Pins the resident leading run of `chain` for an in-flight request (reference counted).
     /// Returns the run's length. Blocks after the run are not pinned.
     ///
-    /// The run follows the chain as the cache holds it: it stops at a block that is not
-    /// resident or that the cache holds under another parent (a chain that repeats a block, say).
+    /// `chain` may start anywhere in a prompt (to pin blocks stored after an earlier pin); from
+    /// its second block on, the run follows the chain as the cache holds it, stopping at a block
+    /// that is not resident or that the cache holds under another parent (a chain that repeats a
+    /// block, say).
     pub fn pin(&mut self, chain: &[BlockHash]) -> usize {
-        let mut prev = NIL;
+        let mut prev = None;
         let mut n = 0;
         for h in chain {
             match self.map.get(h) {
-                Some(&s) if self.slots[s as usize].parent == prev => {
+                Some(&s) if prev.is_none_or(|p| self.slots[s as usize].parent == p) => {
                     self.pin_slot(s);
-                    prev = s;
+                    prev = Some(s);
                     n += 1;
                 }
                 _ => break,
@@ -313,14 +315,15 @@ impl BlockCache {
     pub fn unpin(&mut self, chain: &[BlockHash]) -> usize {
         let mut scratch = std::mem::take(&mut self.scratch);
         scratch.clear();
-        let mut prev = NIL;
+        let mut prev = None;
         for h in chain {
             match self.map.get(h) {
                 Some(&s)
-                    if self.slots[s as usize].pins > 0 && self.slots[s as usize].parent == prev =>
+                    if self.slots[s as usize].pins > 0
+                        && prev.is_none_or(|p| self.slots[s as usize].parent == p) =>
                 {
                     scratch.push(s);
-                    prev = s;
+                    prev = Some(s);
                 }
                 _ => break,
             }

@@ -174,6 +174,27 @@ pub struct SimConfig {
     /// Delay before the router sees an engine's KV events, in microseconds
     /// (`--des-event-delay-ms` × 1000).
     pub event_delay_us: u64,
+    /// Disaggregated serving: prefill engines (`--des-prefill-instances`); set together with
+    /// `decode_instances`, and `instances` is then unused.
+    pub prefill_instances: Option<usize>,
+    /// Disaggregated serving: decode engines (`--des-decode-instances`).
+    pub decode_instances: Option<usize>,
+    /// Overlap weight for routing prefills, overriding `overlap_weight`
+    /// (`--kv-prefill-overlap-weight`; typically 20).
+    pub prefill_overlap_weight: Option<f64>,
+    /// Overlap weight for routing decodes, overriding `overlap_weight`
+    /// (`--kv-decode-overlap-weight`; typically 2).
+    pub decode_overlap_weight: Option<f64>,
+    /// Prefill-to-decode link bandwidth, gigabits per second (`--pd-transfer-gbps`).
+    pub pd_transfer_gbps: f64,
+    /// Fixed latency of a prefill-to-decode transfer, microseconds (`--pd-transfer-latency-us`).
+    pub pd_transfer_latency_us: u64,
+    /// KV cache bytes per token (`--kv-bytes-per-token`; 131,072 is an 8B model with
+    /// grouped-query attention in 16-bit: 32 layers x 8 KV heads x 128 dims x 2 (K, V) x 2 bytes).
+    pub kv_bytes_per_token: u64,
+    /// Independent router replicas per pool, each with its own load view and cache index,
+    /// receiving arrivals in turn (`--des-routers`).
+    pub routers: usize,
     /// Replay this trace instead of the synthetic prefix pool (`--trace`): its first
     /// `num_requests` requests. See [`SimConfig::with_trace`].
     pub trace: Option<Arc<Trace>>,
@@ -205,6 +226,14 @@ impl Default for SimConfig {
             routing: Policy::Kv,
             overlap_weight: 1.0,
             event_delay_us: 0,
+            prefill_instances: None,
+            decode_instances: None,
+            prefill_overlap_weight: None,
+            decode_overlap_weight: None,
+            pd_transfer_gbps: 400.0,
+            pd_transfer_latency_us: 100,
+            kv_bytes_per_token: 131_072,
+            routers: 1,
             trace: None,
             trace_speedup: 1.0,
             trace_timing: TraceTiming::Keep,
@@ -229,6 +258,20 @@ impl SimConfig {
         self.num_requests = trace.requests().len();
         self.trace = Some(Arc::new(trace));
         self
+    }
+
+    /// Whether prefill and decode run on separate pools.
+    pub fn disaggregated(&self) -> bool {
+        self.prefill_instances.is_some() || self.decode_instances.is_some()
+    }
+
+    /// Engines in all: `instances`, or prefill plus decode engines.
+    pub fn engine_count(&self) -> usize {
+        if self.disaggregated() {
+            self.prefill_instances.unwrap_or(0) + self.decode_instances.unwrap_or(0)
+        } else {
+            self.instances
+        }
     }
 
     /// Requests a run simulates: `num_requests`, or fewer when the trace is shorter.
@@ -296,6 +339,30 @@ impl SimConfig {
         }
         non_negative("--des-overlap-weight", self.overlap_weight)?;
         positive("--trace-speedup", self.trace_speedup)?;
+        at_least_one("--des-routers", self.routers)?;
+        if self.disaggregated() {
+            let (Some(p), Some(d)) = (self.prefill_instances, self.decode_instances) else {
+                let (flag, v) = if self.prefill_instances.is_some() {
+                    ("--des-decode-instances", "unset")
+                } else {
+                    ("--des-prefill-instances", "unset")
+                };
+                return Err(Error::invalid(
+                    flag,
+                    v,
+                    "both --des-prefill-instances and --des-decode-instances, or neither",
+                ));
+            };
+            at_least_one("--des-prefill-instances", p)?;
+            at_least_one("--des-decode-instances", d)?;
+        }
+        if let Some(w) = self.prefill_overlap_weight {
+            non_negative("--kv-prefill-overlap-weight", w)?;
+        }
+        if let Some(w) = self.decode_overlap_weight {
+            non_negative("--kv-decode-overlap-weight", w)?;
+        }
+        positive("--pd-transfer-gbps", self.pd_transfer_gbps)?;
         if let Some(t) = &self.trace {
             if t.block_size() != self.block_size {
                 return Err(Error::invalid(

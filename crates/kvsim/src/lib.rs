@@ -36,7 +36,7 @@ mod workload;
 
 pub use config::{ArrivalModel, Popularity, SimConfig, TraceTiming};
 pub use kvroute::Policy;
-pub use report::{InstanceReport, Report, Summary, HOT_SPOT_THRESHOLD};
+pub use report::{InstanceReport, PdReport, PoolReport, Report, Summary, HOT_SPOT_THRESHOLD};
 pub use sim::Simulation;
 pub use timing::{LinearTiming, StepShape, TimingModel};
 pub use trace::{Lengths, Trace, TraceError, TraceRequest, TraceStats};

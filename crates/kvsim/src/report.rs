@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 use crate::config::SimConfig;
-use crate::sim::{Engine, Req};
+use crate::sim::{Engine, Pool, Req};
 
 /// Load balance (max over mean requests per instance) above which the report warns of
 /// hot-spotting.
@@ -74,6 +74,8 @@ impl Summary {
 pub struct InstanceReport {
     /// The instance's index (its router worker id).
     pub instance: usize,
+    /// `unified`, `prefill` or `decode`.
+    pub pool: &'static str,
     /// Requests routed to it.
     pub requests: usize,
     /// Of those, completed.
@@ -90,14 +92,53 @@ pub struct InstanceReport {
     pub busy_fraction: f64,
 }
 
+/// One pool of a disaggregated fleet.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct PoolReport {
+    /// Engines in the pool.
+    pub instances: usize,
+    /// The overlap weight its router used.
+    pub overlap_weight: f64,
+    /// Share of its requests with at least one cached block (on a decode engine: a block that
+    /// did not have to be transferred).
+    pub request_hit_rate: f64,
+    /// Cached prompt blocks over all full prompt blocks of its requests.
+    pub block_reuse: f64,
+    /// Lowest instance request hit rate.
+    pub per_instance_hit_rate_min: f64,
+    /// Highest instance request hit rate.
+    pub per_instance_hit_rate_max: f64,
+    /// Max over mean requests per instance.
+    pub load_balance: f64,
+    /// Blocks evicted in the pool.
+    pub evictions: u64,
+}
+
+/// The prefill/decode split of a disaggregated run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct PdReport {
+    /// The prefill pool.
+    pub prefill: PoolReport,
+    /// The decode pool.
+    pub decode: PoolReport,
+    /// Arrival to prefill scheduling (ms).
+    pub prefill_queue_ms: Summary,
+    /// KV transfer from prefill to decode engine (ms).
+    pub transfer_ms: Summary,
+}
+
 /// The result of a run. The text form ([`to_text`](Self::to_text)) starts with the source
 /// document's three lines; the JSON form ([`to_json`](Self::to_json)) has every field below
 /// under the same name, with times in the unit its name ends with.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[non_exhaustive]
 pub struct Report {
-    /// Engine replicas.
+    /// Engine replicas (both pools when disaggregated).
     pub instances: usize,
+    /// Router replicas per pool.
+    pub routers: usize,
     /// The routing policy.
     pub routing: String,
     /// The `kv` policy's overlap weight.
@@ -146,8 +187,10 @@ pub struct Report {
     pub hot_spot: bool,
     /// Router calls that failed (0 unless something is wrong).
     pub router_errors: u64,
-    /// Per-instance breakdown.
+    /// Per-instance breakdown (prefill engines first when disaggregated).
     pub per_instance: Vec<InstanceReport>,
+    /// The prefill/decode split (`null` for a unified fleet).
+    pub pd: Option<PdReport>,
 }
 
 fn ratio(a: f64, b: f64) -> f64 {
@@ -161,20 +204,35 @@ fn ratio(a: f64, b: f64) -> f64 {
 impl Report {
     pub(crate) fn build(cfg: &SimConfig, content: String, c: Collected) -> Self {
         let bs = cfg.block_size.get();
-        let n = cfg.instances;
-        let scheduled = |r: &&Req| !r.rejected;
-        let done: Vec<&Req> = c.reqs.iter().filter(scheduled).collect();
+        let done: Vec<&Req> = c.reqs.iter().filter(|r| !r.rejected).collect();
         let makespan_us = done.iter().map(|r| r.finish).max().unwrap_or(0);
         let makespan_s = makespan_us as f64 / 1e6;
-        let mut per = Vec::with_capacity(n);
+        // On a decode engine a request's "hits" are the blocks it did not need transferred.
+        let on = |r: &Req, i: usize, pool: Pool| match pool {
+            Pool::Decode => r.decode_engine == Some(i),
+            _ => r.engine == i,
+        };
+        let hits_on = |r: &Req, pool: Pool| {
+            if pool == Pool::Decode {
+                r.decode_hits
+            } else {
+                r.hits
+            }
+        };
+        let mut per = Vec::with_capacity(c.engines.len());
         for (i, eng) in c.engines.iter().enumerate() {
-            let mine: Vec<&&Req> = done.iter().filter(|r| r.engine == i).collect();
-            let hits = mine.iter().filter(|r| r.hits > 0).count();
-            let cached: usize = mine.iter().map(|r| r.hits).sum();
+            let mine: Vec<&&Req> = done.iter().filter(|r| on(r, i, eng.pool)).collect();
+            let hits = mine.iter().filter(|r| hits_on(r, eng.pool) > 0).count();
+            let cached: usize = mine.iter().map(|r| hits_on(r, eng.pool)).sum();
             let prompt: usize = mine.iter().map(|r| r.prompt_blocks).sum();
             per.push(InstanceReport {
                 instance: i,
-                requests: c.reqs.iter().filter(|r| r.engine == i).count(),
+                pool: match eng.pool {
+                    Pool::Unified => "unified",
+                    Pool::Prefill => "prefill",
+                    Pool::Decode => "decode",
+                },
+                requests: c.reqs.iter().filter(|r| on(r, i, eng.pool)).count(),
                 completed: mine.len(),
                 hit_rate: ratio(hits as f64, mine.len() as f64),
                 block_reuse: ratio(cached as f64, prompt as f64),
@@ -183,17 +241,73 @@ impl Report {
                 busy_fraction: ratio(eng.busy_us as f64, makespan_us as f64),
             });
         }
+        let pool = |name: &str, weight: f64| {
+            let mine: Vec<&InstanceReport> = per.iter().filter(|p| p.pool == name).collect();
+            let reqs: usize = mine.iter().map(|p| p.requests).sum();
+            let pool = match name {
+                "decode" => Pool::Decode,
+                "prefill" => Pool::Prefill,
+                _ => Pool::Unified,
+            };
+            let served: Vec<&&Req> = done
+                .iter()
+                .filter(|r| pool != Pool::Decode || r.decode_engine.is_some())
+                .collect();
+            let cached: usize = served.iter().map(|r| hits_on(r, pool)).sum();
+            let prompt: usize = served.iter().map(|r| r.prompt_blocks).sum();
+            let used: Vec<f64> = mine
+                .iter()
+                .filter(|p| p.completed > 0)
+                .map(|p| p.hit_rate)
+                .collect();
+            PoolReport {
+                instances: mine.len(),
+                overlap_weight: weight,
+                request_hit_rate: ratio(
+                    served.iter().filter(|r| hits_on(r, pool) > 0).count() as f64,
+                    served.len() as f64,
+                ),
+                block_reuse: ratio(cached as f64, prompt as f64),
+                per_instance_hit_rate_min: used
+                    .iter()
+                    .copied()
+                    .fold(f64::INFINITY, f64::min)
+                    .min(1.0),
+                per_instance_hit_rate_max: used.iter().copied().fold(0.0, f64::max),
+                load_balance: ratio(
+                    mine.iter().map(|p| p.requests).max().unwrap_or(0) as f64,
+                    reqs as f64 / mine.len().max(1) as f64,
+                ),
+                evictions: mine.iter().map(|p| p.evictions).sum(),
+            }
+        };
+        let pd = cfg.disaggregated().then(|| PdReport {
+            prefill: pool(
+                "prefill",
+                cfg.prefill_overlap_weight.unwrap_or(cfg.overlap_weight),
+            ),
+            decode: pool(
+                "decode",
+                cfg.decode_overlap_weight.unwrap_or(cfg.overlap_weight),
+            ),
+            prefill_queue_ms: Summary::from_us(done.iter().map(|r| r.scheduled - r.arrival)),
+            transfer_ms: Summary::from_us(done.iter().map(|r| r.transfer_us)),
+        });
+        // The headline figures are the prefill side's: a hit there is prefill compute skipped.
+        let front = pool(
+            if pd.is_some() { "prefill" } else { "unified" },
+            cfg.overlap_weight,
+        );
+        let load_balance = match &pd {
+            Some(p) => p.prefill.load_balance.max(p.decode.load_balance),
+            None => front.load_balance,
+        };
         let cached: usize = done.iter().map(|r| r.hits).sum();
-        let prompt: usize = done.iter().map(|r| r.prompt_blocks).sum();
-        let hit_requests = done.iter().filter(|r| r.hits > 0).count();
         let outputs: usize = done.iter().map(|r| r.output).sum();
-        let used: Vec<&InstanceReport> = per.iter().filter(|p| p.completed > 0).collect();
-        let mean_requests = c.reqs.len() as f64 / n as f64;
-        let max_requests = per.iter().map(|p| p.requests).max().unwrap_or(0);
-        let load_balance = ratio(max_requests as f64, mean_requests);
         let mut itl = c.itl;
         Report {
-            instances: n,
+            instances: c.engines.len(),
+            routers: cfg.routers,
             routing: cfg.routing.to_string(),
             overlap_weight: cfg.overlap_weight,
             content,
@@ -204,15 +318,11 @@ impl Report {
             completed: done.len(),
             rejected: c.reqs.len() - done.len(),
             evictions: per.iter().map(|p| p.evictions).sum(),
-            block_reuse: ratio(cached as f64, prompt as f64),
-            request_hit_rate: ratio(hit_requests as f64, done.len() as f64),
+            block_reuse: front.block_reuse,
+            request_hit_rate: front.request_hit_rate,
             avg_cached_tokens: ratio((cached * bs) as f64, done.len() as f64),
-            per_instance_hit_rate_min: used
-                .iter()
-                .map(|p| p.hit_rate)
-                .fold(f64::INFINITY, f64::min)
-                .min(1.0),
-            per_instance_hit_rate_max: used.iter().map(|p| p.hit_rate).fold(0.0, f64::max),
+            per_instance_hit_rate_min: front.per_instance_hit_rate_min,
+            per_instance_hit_rate_max: front.per_instance_hit_rate_max,
             ttft_ms: Summary::from_us(done.iter().map(|r| r.first_token - r.arrival)),
             itl_ms: Summary::weighted(&mut itl),
             e2e_ms: Summary::from_us(done.iter().map(|r| r.finish - r.arrival)),
@@ -223,6 +333,7 @@ impl Report {
             hot_spot: load_balance > HOT_SPOT_THRESHOLD,
             router_errors: c.router_errors + c.inconsistent_inserts,
             per_instance: per,
+            pd,
         }
     }
 
@@ -238,10 +349,22 @@ impl Report {
             0.0
         };
         let mut s = String::new();
+        let fleet = match &self.pd {
+            Some(pd) => format!(
+                "{} prefill + {} decode",
+                pd.prefill.instances, pd.decode.instances
+            ),
+            None => self.instances.to_string(),
+        };
+        let routers = if self.routers > 1 {
+            format!(", {} routers", self.routers)
+        } else {
+            String::new()
+        };
         let _ = writeln!(
             s,
-            "  Fleet: {} instance(s), routing={} | {}",
-            self.instances, self.routing, self.content
+            "  Fleet: {fleet} instance(s), routing={}{routers} | {}",
+            self.routing, self.content
         );
         let _ = writeln!(
             s,
@@ -259,6 +382,32 @@ impl Report {
             lo * 100.0,
             self.per_instance_hit_rate_max * 100.0
         );
+        if let Some(pd) = &self.pd {
+            for (name, p, what, m) in [
+                ("Prefill", &pd.prefill, "queueing", &pd.prefill_queue_ms),
+                ("Decode", &pd.decode, "transfer", &pd.transfer_ms),
+            ] {
+                let lo = if p.per_instance_hit_rate_min.is_finite() {
+                    p.per_instance_hit_rate_min
+                } else {
+                    0.0
+                };
+                let _ = writeln!(
+                    s,
+                    "  {name} pool: weight {}, hit rate {} of requests, block-reuse {} (per-instance {:.0}–{:.0}%), \
+                     balance {:.2}, evictions {}, {what} p50 {:.1} ms p99 {:.1} ms",
+                    p.overlap_weight,
+                    pct(p.request_hit_rate),
+                    pct(p.block_reuse),
+                    lo * 100.0,
+                    p.per_instance_hit_rate_max * 100.0,
+                    p.load_balance,
+                    p.evictions,
+                    m.p50,
+                    m.p99
+                );
+            }
+        }
         let _ = writeln!(
             s,
             "  Requests: {} completed, {} rejected | makespan {:.2} s | throughput {:.2} req/s, {:.0} output tok/s",
@@ -306,13 +455,14 @@ impl Report {
         if verbose {
             let _ = writeln!(
                 s,
-                "  instance  requests  hit-rate  block-reuse  evictions  resident  busy"
+                "  instance  pool      requests  hit-rate  block-reuse  evictions  resident  busy"
             );
             for p in &self.per_instance {
                 let _ = writeln!(
                     s,
-                    "  {:>8}  {:>8}  {:>8}  {:>11}  {:>9}  {:>8}  {:>4.0}%",
+                    "  {:>8}  {:<8}  {:>8}  {:>8}  {:>11}  {:>9}  {:>8}  {:>4.0}%",
                     p.instance,
+                    p.pool,
                     p.requests,
                     pct(p.hit_rate),
                     pct(p.block_reuse),

@@ -69,15 +69,9 @@ impl Simulation {
     /// [`run`](Self::run), calling `progress` with the number of requests that have arrived so
     /// far, about every 1% of them.
     pub fn run_with_progress(&self, progress: &mut dyn FnMut(usize)) -> Result<Report, Error> {
-        let router = Router::builder()
-            .block_size(self.cfg.block_size)
-            .policy(self.cfg.routing)
-            .overlap_weight(self.cfg.overlap_weight)
-            .seed(self.cfg.seed)
-            .build()?;
         let workload = Workload::new(&self.cfg);
         let content = workload.describe();
-        let mut run = Run::new(&self.cfg, self.timing.as_ref(), router, workload);
+        let mut run = Run::new(&self.cfg, self.timing.as_ref(), workload)?;
         run.simulate(progress);
         Ok(Report::build(&self.cfg, content, run.collect()))
     }
@@ -87,6 +81,7 @@ impl Simulation {
 enum Kind {
     Arrival,
     StepDone(usize),
+    TransferDone(usize),
     Deliver(usize, Vec<KvEvent>),
 }
 
@@ -115,6 +110,17 @@ impl Ord for Event {
     }
 }
 
+/// What an engine does with a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Pool {
+    /// Prefill and decode (the default fleet).
+    Unified,
+    /// Prefill only; the KV then moves to a decode engine.
+    Prefill,
+    /// Decode only, from KV that arrived from a prefill engine.
+    Decode,
+}
+
 /// One request's life.
 #[derive(Debug, Clone)]
 pub(crate) struct Req {
@@ -123,13 +129,23 @@ pub(crate) struct Req {
     pub(crate) output: usize,
     blocks: Vec<BlockHash>,
     pub(crate) prompt_blocks: usize,
+    /// The engine that prefills it (unified or prefill pool).
     pub(crate) engine: usize,
-    /// Leading prompt blocks resident on the engine when it was scheduled (engine truth).
+    /// Leading prompt blocks resident on `engine` when it was scheduled (engine truth).
     pub(crate) hits: usize,
+    /// The decode engine, when disaggregated.
+    pub(crate) decode_engine: Option<usize>,
+    /// Leading prompt blocks already on the decode engine when the transfer started.
+    pub(crate) decode_hits: usize,
+    router: usize,
+    decode_router: usize,
     prefill_left: usize,
-    /// Blocks the request occupies while it runs: ceil((input + output) / block size).
+    /// Blocks the request occupies on the engine it is on now.
     mem_blocks: usize,
     decoding: bool,
+    /// When the prefill engine scheduled it.
+    pub(crate) scheduled: u64,
+    pub(crate) transfer_us: u64,
     pub(crate) first_token: u64,
     pub(crate) finish: u64,
     pub(crate) rejected: bool,
@@ -137,6 +153,7 @@ pub(crate) struct Req {
 
 #[derive(Debug)]
 pub(crate) struct Engine {
+    pub(crate) pool: Pool,
     pub(crate) cache: BlockCache,
     total: Option<usize>,
     /// Blocks held by running requests outside the cache (their unique and output blocks).
@@ -155,8 +172,9 @@ pub(crate) struct Engine {
 }
 
 impl Engine {
-    fn new(total: Option<usize>) -> Self {
+    fn new(pool: Pool, total: Option<usize>) -> Self {
         Engine {
+            pool,
             cache: BlockCache::new(None),
             total,
             private: 0,
@@ -188,13 +206,69 @@ impl Engine {
             },
         }
     }
+
+    fn fits(&self, blocks: usize) -> bool {
+        self.total.is_none_or(|t| blocks <= t)
+    }
+}
+
+/// Router replicas of one pool; engine events go to all of them.
+struct Routers {
+    replicas: Vec<Router>,
+    next: usize,
+    role: Role,
+}
+
+impl Routers {
+    fn new(cfg: &SimConfig, role: Role, workers: std::ops::Range<usize>) -> Result<Self, Error> {
+        let replicas = (0..cfg.routers)
+            .map(|r| {
+                let mut b = Router::builder()
+                    .block_size(cfg.block_size)
+                    .policy(cfg.routing)
+                    .overlap_weight(cfg.overlap_weight)
+                    // Replica 0 uses the run's seed, so one replica is exactly the plain run.
+                    .seed(
+                        cfg.seed
+                            .wrapping_add((r as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+                    );
+                if let Some(w) = cfg.prefill_overlap_weight {
+                    b = b.prefill_overlap_weight(w);
+                }
+                if let Some(w) = cfg.decode_overlap_weight {
+                    b = b.decode_overlap_weight(w);
+                }
+                let mut router = b.build()?;
+                for w in workers.clone() {
+                    router.add_worker(WorkerId::new(w as u64));
+                }
+                Ok(router)
+            })
+            .collect::<Result<Vec<_>, Error>>()?;
+        Ok(Routers {
+            replicas,
+            next: 0,
+            role,
+        })
+    }
+
+    /// Routes with the next replica in turn; returns (replica, engine).
+    fn route(&mut self, id: usize, blocks: &[BlockHash]) -> Result<(usize, usize), kvroute::Error> {
+        let r = self.next;
+        self.next = (self.next + 1) % self.replicas.len();
+        let d = self.replicas[r].route(id as u64, blocks, self.role)?;
+        Ok((r, d.worker.get() as usize))
+    }
 }
 
 struct Run<'a> {
     cfg: &'a SimConfig,
     block_size: BlockSize,
     timing: &'a dyn TimingModel,
-    router: Router,
+    /// Unified or prefill pool routers.
+    routers: Routers,
+    /// Decode pool routers, when disaggregated.
+    decode_routers: Option<Routers>,
     workload: Workload,
     pending: Option<RequestSpec>,
     queue: BinaryHeap<Event>,
@@ -212,20 +286,36 @@ impl<'a> Run<'a> {
     fn new(
         cfg: &'a SimConfig,
         timing: &'a dyn TimingModel,
-        mut router: Router,
         workload: Workload,
-    ) -> Self {
-        let engines = (0..cfg.instances)
-            .map(|_| Engine::new(cfg.kv_blocks))
-            .collect();
-        for w in 0..cfg.instances {
-            router.add_worker(WorkerId::new(w as u64));
-        }
-        Run {
+    ) -> Result<Self, Error> {
+        let (engines, routers, decode_routers) = match (cfg.prefill_instances, cfg.decode_instances)
+        {
+            (Some(p), Some(d)) => {
+                let engines = (0..p)
+                    .map(|_| Engine::new(Pool::Prefill, cfg.kv_blocks))
+                    .chain((0..d).map(|_| Engine::new(Pool::Decode, cfg.kv_blocks)))
+                    .collect();
+                let prefill = Routers::new(cfg, Role::Prefill, 0..p)?;
+                let decode = Routers::new(cfg, Role::Decode, p..p + d)?;
+                (engines, prefill, Some(decode))
+            }
+            _ => {
+                let engines = (0..cfg.instances)
+                    .map(|_| Engine::new(Pool::Unified, cfg.kv_blocks))
+                    .collect();
+                (
+                    engines,
+                    Routers::new(cfg, Role::Unified, 0..cfg.instances)?,
+                    None,
+                )
+            }
+        };
+        Ok(Run {
             cfg,
             block_size: cfg.block_size,
             timing,
-            router,
+            routers,
+            decode_routers,
             workload,
             pending: None,
             queue: BinaryHeap::new(),
@@ -236,7 +326,7 @@ impl<'a> Run<'a> {
             router_errors: 0,
             inconsistent_inserts: 0,
             now: 0,
-        }
+        })
     }
 
     fn push(&mut self, time: u64, kind: Kind) {
@@ -269,6 +359,7 @@ impl<'a> Run<'a> {
                     }
                 }
                 Kind::StepDone(e) => self.step_done(e),
+                Kind::TransferDone(r) => self.transfer_done(r),
                 Kind::Deliver(e, events) => self.deliver(e, &events),
             }
         }
@@ -279,16 +370,22 @@ impl<'a> Run<'a> {
             return;
         };
         let id = self.reqs.len();
-        let decision = self.router.route(id as u64, &spec.blocks, Role::Unified);
-        let engine = match decision {
-            Ok(d) => d.worker.get() as usize,
+        let (router, engine) = match self.routers.route(id, &spec.blocks) {
+            Ok(x) => x,
             Err(_) => {
                 self.router_errors += 1;
-                0
+                (0, 0)
             }
         };
-        let mem_blocks = self.block_size.blocks_for(spec.input_len + spec.output_len);
-        let rejected = self.engines[engine].total.is_some_and(|t| mem_blocks > t);
+        let disaggregated = self.engines[engine].pool == Pool::Prefill;
+        // A prefill engine holds only the prompt; otherwise the output's blocks too.
+        let mem_tokens = if disaggregated {
+            spec.input_len
+        } else {
+            spec.input_len + spec.output_len
+        };
+        let mem_blocks = self.block_size.blocks_for(mem_tokens);
+        let rejected = !self.engines[engine].fits(mem_blocks);
         self.reqs.push(Req {
             arrival: self.now,
             input: spec.input_len,
@@ -297,24 +394,46 @@ impl<'a> Run<'a> {
             blocks: spec.blocks,
             engine,
             hits: 0,
+            decode_engine: None,
+            decode_hits: 0,
+            router,
+            decode_router: 0,
             prefill_left: spec.input_len,
             mem_blocks,
             decoding: false,
+            scheduled: 0,
+            transfer_us: 0,
             first_token: 0,
             finish: 0,
             rejected,
         });
         if rejected {
             // It can never fit on this engine: count it and release the router's load.
-            let _ = self.router.finish(id as u64);
+            self.release_router(id, Pool::Unified);
             self.reqs[id].blocks = Vec::new();
         } else {
-            self.engines[engine].waiting.push_back(id);
-            if !self.engines[engine].busy {
-                self.start_step(engine);
-            }
+            self.enqueue(engine, id);
         }
         self.schedule_next_arrival();
+    }
+
+    fn enqueue(&mut self, e: usize, r: usize) {
+        self.engines[e].waiting.push_back(r);
+        if !self.engines[e].busy {
+            self.start_step(e);
+        }
+    }
+
+    /// Releases the request's load in the router that routed it on the given side.
+    fn release_router(&mut self, r: usize, side: Pool) {
+        let req = &self.reqs[r];
+        let done = match (side, &mut self.decode_routers) {
+            (Pool::Decode, Some(d)) => d.replicas[req.decode_router].finish(r as u64),
+            _ => self.routers.replicas[req.router].finish(r as u64),
+        };
+        if done.is_err() {
+            self.router_errors += 1;
+        }
     }
 
     /// Schedules a waiting request if memory allows: pins its cached run and reserves the rest.
@@ -331,12 +450,20 @@ impl<'a> Run<'a> {
         if eng.total.is_some() {
             eng.private += need;
         }
+        let pool = eng.pool;
+        let req = &mut self.reqs[r];
+        if pool == Pool::Decode {
+            // The prompt's KV arrived by transfer: it becomes resident now and decoding starts.
+            self.store_prompt(r, hits);
+            self.start_decoding(r);
+            return true;
+        }
         // A full hit still computes the last prompt token, to produce the first output token.
         let cached_tokens = (hits * self.block_size.get()).min(req.input.saturating_sub(1));
-        let req = &mut self.reqs[r];
         req.hits = hits;
+        req.scheduled = self.now;
         req.prefill_left = req.input - cached_tokens;
-        eng.prefilling.push_back(r);
+        self.engines[e].prefilling.push_back(r);
         true
     }
 
@@ -411,38 +538,110 @@ impl<'a> Run<'a> {
         self.start_step(e);
     }
 
-    /// The prompt is computed and the first token produced: its full blocks become resident.
-    fn prefill_done(&mut self, r: usize, now: u64) {
-        let req = &mut self.reqs[r];
-        req.first_token = now;
-        let eng = &mut self.engines[req.engine];
+    /// Makes the prompt's full blocks resident on the request's current engine and pins the
+    /// ones that were not pinned at admission; the blocks reserved for them move into the cache.
+    fn store_prompt(&mut self, r: usize, hits: usize) {
+        let req = &self.reqs[r];
+        let e = req.decode_engine.unwrap_or(req.engine);
+        let eng = &mut self.engines[e];
         if eng.total.is_some() {
-            // The blocks reserved for the new prompt blocks move into the cache.
-            eng.private -= req.prompt_blocks - req.hits;
+            eng.private -= req.prompt_blocks - hits;
             eng.resize_cache(0);
         }
         if eng.cache.insert(&req.blocks).is_err() {
             self.inconsistent_inserts += 1;
         }
-        // The cached run is pinned since admission; pin the blocks just computed.
-        eng.cache.pin(&req.blocks[req.hits..]);
-        if req.output <= 1 {
-            self.finish(r, now);
+        eng.cache.pin(&req.blocks[hits..]);
+    }
+
+    /// The prompt is computed and the first token produced.
+    fn prefill_done(&mut self, r: usize, now: u64) {
+        let hits = self.reqs[r].hits;
+        self.store_prompt(r, hits);
+        let e = self.reqs[r].engine;
+        if self.engines[e].pool == Pool::Prefill {
+            self.hand_over(r, now);
             return;
         }
-        let (engine, input, output) = (req.engine, req.input, req.output);
+        self.reqs[r].first_token = now;
+        if self.reqs[r].output <= 1 {
+            self.finish(r, now);
+        } else {
+            self.start_decoding(r);
+        }
+    }
+
+    fn start_decoding(&mut self, r: usize) {
+        let req = &mut self.reqs[r];
+        if req.output <= 1 {
+            req.first_token = self.now;
+            self.finish(r, self.now);
+            return;
+        }
         req.decoding = true;
-        let eng = &mut self.engines[engine];
+        if req.decode_engine.is_some() {
+            req.first_token = self.now;
+        }
+        let (input, output) = (req.input, req.output);
+        let eng = &mut self.engines[req.decode_engine.unwrap_or(req.engine)];
         eng.decoding += 1;
         eng.context += (input + 1) as u64;
         eng.finishing
             .push(Reverse((eng.steps + (output as u64 - 1), r)));
     }
 
+    /// Disaggregated: the prefill engine lets go of the request, a decode engine is routed with
+    /// the decode role's weight, and the KV it lacks is sent over.
+    fn hand_over(&mut self, r: usize, now: u64) {
+        let req = &self.reqs[r];
+        let eng = &mut self.engines[req.engine];
+        eng.cache.unpin(&req.blocks);
+        if eng.total.is_some() {
+            eng.private -= req.mem_blocks - req.prompt_blocks;
+            eng.resize_cache(0);
+        }
+        self.release_router(r, Pool::Prefill);
+        let Some(decode) = self.decode_routers.as_mut() else {
+            return;
+        };
+        let (router, d) = match decode.route(r, &self.reqs[r].blocks) {
+            Ok(x) => x,
+            Err(_) => {
+                self.router_errors += 1;
+                return;
+            }
+        };
+        let bs = self.block_size.get();
+        let req = &mut self.reqs[r];
+        req.decode_router = router;
+        req.decode_engine = Some(d);
+        req.decode_hits = self.engines[d].cache.match_len(&req.blocks);
+        let sent_tokens = req.input - (req.decode_hits * bs).min(req.input);
+        let bits = sent_tokens as f64 * self.cfg.kv_bytes_per_token as f64 * 8.0;
+        let transfer = (bits / (self.cfg.pd_transfer_gbps * 1e3)).round() as u64
+            + self.cfg.pd_transfer_latency_us;
+        req.transfer_us = transfer;
+        req.mem_blocks = self.block_size.blocks_for(req.input + req.output);
+        self.push(now + transfer, Kind::TransferDone(r));
+    }
+
+    fn transfer_done(&mut self, r: usize) {
+        let Some(d) = self.reqs[r].decode_engine else {
+            return;
+        };
+        if self.engines[d].fits(self.reqs[r].mem_blocks) {
+            self.enqueue(d, r);
+        } else {
+            self.reqs[r].rejected = true;
+            self.reqs[r].blocks = Vec::new();
+            self.release_router(r, Pool::Decode);
+        }
+    }
+
     fn finish(&mut self, r: usize, now: u64) {
         let req = &mut self.reqs[r];
         req.finish = now;
-        let eng = &mut self.engines[req.engine];
+        let eng = &mut self.engines[req.decode_engine.unwrap_or(req.engine)];
         if std::mem::take(&mut req.decoding) {
             eng.decoding -= 1;
             eng.context -= (req.input + req.output) as u64;
@@ -453,9 +652,8 @@ impl<'a> Run<'a> {
             eng.resize_cache(0);
         }
         req.blocks = Vec::new();
-        if self.router.finish(r as u64).is_err() {
-            self.router_errors += 1;
-        }
+        let side = eng.pool;
+        self.release_router(r, side);
     }
 
     fn flush_events(&mut self, e: usize) {
@@ -470,18 +668,24 @@ impl<'a> Run<'a> {
         }
     }
 
+    /// Applies an engine's events to every router replica of its pool, with the same ids.
     fn deliver(&mut self, e: usize, events: &[KvEvent]) {
-        for ev in events {
-            let id = self.engines[e].next_event_id;
-            self.engines[e].next_event_id += 1;
-            if self
-                .router
-                .apply_event(WorkerId::new(e as u64), id, ev)
-                .is_err()
-            {
-                self.router_errors += 1;
+        let routers = match (self.engines[e].pool, &mut self.decode_routers) {
+            (Pool::Decode, Some(d)) => d,
+            _ => &mut self.routers,
+        };
+        let first = self.engines[e].next_event_id;
+        for router in &mut routers.replicas {
+            for (k, ev) in events.iter().enumerate() {
+                if router
+                    .apply_event(WorkerId::new(e as u64), first + k as u64, ev)
+                    .is_err()
+                {
+                    self.router_errors += 1;
+                }
             }
         }
+        self.engines[e].next_event_id += events.len() as u64;
     }
 
     fn collect(self) -> Collected {
@@ -501,16 +705,9 @@ mod tests {
     use crate::timing::LinearTiming;
     use proptest::prelude::*;
 
-    fn finished_run(cfg: &SimConfig) -> (Collected, Router, Vec<(usize, usize)>) {
+    fn finished_run(cfg: &SimConfig) -> (Collected, Vec<Router>, Vec<(usize, usize)>) {
         let timing = LinearTiming::default();
-        let router = Router::builder()
-            .block_size(cfg.block_size)
-            .policy(cfg.routing)
-            .overlap_weight(cfg.overlap_weight)
-            .seed(cfg.seed)
-            .build()
-            .unwrap();
-        let mut run = Run::new(cfg, &timing, router, Workload::new(cfg));
+        let mut run = Run::new(cfg, &timing, Workload::new(cfg)).unwrap();
         run.simulate(&mut |_| {});
         let leftovers = run
             .engines
@@ -526,20 +723,35 @@ mod tests {
                     && e.context == 0
             );
         }
-        let router = run.router.clone();
-        (run.collect(), router, leftovers)
+        let routers = run.routers.replicas.clone();
+        let decode = run
+            .decode_routers
+            .as_ref()
+            .map(|d| d.replicas.clone())
+            .unwrap_or_default();
+        (
+            run.collect(),
+            routers.into_iter().chain(decode).collect(),
+            leftovers,
+        )
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(48))]
+        #![proptest_config(ProptestConfig::with_cases(64))]
         /// Whatever the settings: every request completes or is rejected, nothing stays pinned
-        /// or reserved, the router ends with no load, and its view equals the engines' caches.
+        /// or reserved, every router replica ends with no load, and its view of each engine of
+        /// its pool equals that engine's cache.
         #[test]
-        fn runs_end_clean(instances in 1usize..5, kv in prop::option::of(4usize..60), bs in prop::sample::select(vec![16usize, 64, 256]),
+        fn runs_end_clean(instances in 1usize..5, pd in prop::option::of((1usize..3, 1usize..3)), routers in 1usize..4,
+                          kv in prop::option::of(4usize..60), bs in prop::sample::select(vec![16usize, 64, 256]),
                           policy in prop::sample::select(Policy::ALL.to_vec()), delay in prop::sample::select(vec![0u64, 5_000]),
                           input in 1usize..3000, output in 1usize..40, seqs in 1usize..8, seed in 0u64..1000) {
             let cfg = SimConfig {
                 instances,
+                prefill_instances: pd.map(|p| p.0),
+                decode_instances: pd.map(|p| p.1),
+                decode_overlap_weight: Some(0.5),
+                routers,
                 kv_blocks: kv,
                 block_size: BlockSize::new(bs).unwrap(),
                 routing: policy,
@@ -555,13 +767,19 @@ mod tests {
                 ..SimConfig::default()
             };
             cfg.validate().unwrap();
-            let (c, router, leftovers) = finished_run(&cfg);
+            let (c, routers, leftovers) = finished_run(&cfg);
             prop_assert!(c.reqs.iter().all(|r| r.rejected || (r.finish >= r.first_token && r.first_token > r.arrival)));
             prop_assert!(leftovers.iter().all(|&l| l == (0, 0)), "{:?}", leftovers);
-            prop_assert_eq!(router.in_flight_total(), 0);
             prop_assert_eq!(c.router_errors + c.inconsistent_inserts, 0);
-            for (i, e) in c.engines.iter().enumerate() {
-                prop_assert_eq!(router.cache_view(WorkerId::new(i as u64)), e.cache.len());
+            for router in &routers {
+                prop_assert_eq!(router.in_flight_total(), 0);
+                for w in router.workers() {
+                    prop_assert_eq!(router.cache_view(w), c.engines[w.get() as usize].cache.len());
+                }
+            }
+            let pools: usize = routers.iter().map(|r| r.workers().len()).sum();
+            prop_assert_eq!(pools, c.engines.len() * cfg.routers);
+            for e in &c.engines {
                 if let Some(k) = kv {
                     prop_assert!(e.cache.len() <= k);
                 }

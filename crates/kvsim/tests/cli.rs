@@ -61,7 +61,7 @@ fn defaults_run_and_json_parses() {
     assert_eq!(v["completed"], 30);
     let (code, out, _) = kvsim(&["--des-num-requests", "30", "--verbose"]);
     assert_eq!(code, 0);
-    assert!(out.contains("instance  requests  hit-rate"));
+    assert!(out.contains("instance  pool      requests  hit-rate"));
 }
 
 #[test]

@@ -166,9 +166,9 @@ pub(crate) struct RunArgs {
     /// Tokens per KV block, engines and router alike [default: 16, or the trace's block size].
     #[arg(long, value_parser = parse_block_size, value_name = "TOKENS", help_heading = "Fleet")]
     des_block_size: Option<usize>,
-    /// Engine replicas behind the router.
-    #[arg(long, default_value_t = 4, value_name = "N", help_heading = "Fleet")]
-    des_instances: usize,
+    /// Engine replicas behind the router [default: 4].
+    #[arg(long, value_name = "N", help_heading = "Fleet")]
+    des_instances: Option<usize>,
     /// KV blocks per engine (cache plus running requests); unset means unbounded.
     #[arg(long, value_name = "BLOCKS", help_heading = "Fleet")]
     des_kv_blocks: Option<usize>,
@@ -235,6 +235,47 @@ pub(crate) struct RunArgs {
         help_heading = "Routing"
     )]
     des_event_delay_ms: f64,
+
+    /// Router replicas, each with its own load view and cache index, taking arrivals in turn.
+    #[arg(long, default_value_t = 1, value_name = "R", help_heading = "Routing")]
+    des_routers: usize,
+
+    /// Disaggregated serving: prefill engines (with --des-decode-instances, instead of --des-instances).
+    #[arg(long, value_name = "P", help_heading = "Disaggregated prefill/decode")]
+    des_prefill_instances: Option<usize>,
+    /// Disaggregated serving: decode engines.
+    #[arg(long, value_name = "D", help_heading = "Disaggregated prefill/decode")]
+    des_decode_instances: Option<usize>,
+    /// Overlap weight for routing prefills (typically 20) [default: --des-overlap-weight].
+    #[arg(long, value_name = "W", help_heading = "Disaggregated prefill/decode")]
+    kv_prefill_overlap_weight: Option<f64>,
+    /// Overlap weight for routing decodes (typically 2) [default: --des-overlap-weight].
+    #[arg(long, value_name = "W", help_heading = "Disaggregated prefill/decode")]
+    kv_decode_overlap_weight: Option<f64>,
+    /// Prefill-to-decode KV link bandwidth, gigabits per second.
+    #[arg(
+        long,
+        default_value_t = 400.0,
+        value_name = "GBPS",
+        help_heading = "Disaggregated prefill/decode"
+    )]
+    pd_transfer_gbps: f64,
+    /// Fixed latency of each KV transfer, microseconds.
+    #[arg(
+        long,
+        default_value_t = 100,
+        value_name = "US",
+        help_heading = "Disaggregated prefill/decode"
+    )]
+    pd_transfer_latency_us: u64,
+    /// KV cache bytes per token (131072: an 8B model with grouped-query attention in 16-bit).
+    #[arg(
+        long,
+        default_value_t = 131_072,
+        value_name = "BYTES",
+        help_heading = "Disaggregated prefill/decode"
+    )]
+    kv_bytes_per_token: u64,
 
     /// Output format: text or json.
     #[arg(long, default_value = "text", value_parser = ["text", "json"], value_name = "FORMAT", help_heading = "Output")]
@@ -308,7 +349,22 @@ impl RunArgs {
         cfg.output_len = self.output_len;
         cfg.trace_speedup = self.trace_speedup;
         cfg.trace_timing = self.trace_timing;
-        cfg.instances = self.des_instances;
+        if self.des_instances.is_some()
+            && (self.des_prefill_instances.is_some() || self.des_decode_instances.is_some())
+        {
+            return Err("--des-instances cannot be combined with --des-prefill-instances/--des-decode-instances: \
+                        give one fleet size or the two pool sizes"
+                .to_string());
+        }
+        cfg.instances = self.des_instances.unwrap_or(cfg.instances);
+        cfg.prefill_instances = self.des_prefill_instances;
+        cfg.decode_instances = self.des_decode_instances;
+        cfg.prefill_overlap_weight = self.kv_prefill_overlap_weight;
+        cfg.decode_overlap_weight = self.kv_decode_overlap_weight;
+        cfg.pd_transfer_gbps = self.pd_transfer_gbps;
+        cfg.pd_transfer_latency_us = self.pd_transfer_latency_us;
+        cfg.kv_bytes_per_token = self.kv_bytes_per_token;
+        cfg.routers = self.des_routers;
         cfg.kv_blocks = self.des_kv_blocks;
         cfg.max_batched_tokens = self.max_batched_tokens;
         cfg.max_num_seqs = self.max_num_seqs;
