@@ -373,15 +373,7 @@ impl CacheIndex {
                     }
                 }
                 for &b in blocks {
-                    let newly = match self.blocks.entry(b) {
-                        hashbrown::hash_map::Entry::Occupied(mut e) => {
-                            e.get_mut().insert(idx, &mut self.spill)
-                        }
-                        hashbrown::hash_map::Entry::Vacant(v) => {
-                            v.insert(WorkerSet::single(idx));
-                            true
-                        }
-                    };
+                    let newly = add_holder(&mut self.blocks, &mut self.spill, b, idx);
                     if newly {
                         out.stored += 1;
                     } else {
@@ -522,6 +514,46 @@ impl CacheIndex {
         out.active.clear();
     }
 
+    /// Every block with the dense indices of its holders (for snapshots).
+    pub(crate) fn holders(&self) -> impl Iterator<Item = (BlockHash, Vec<usize>)> + '_ {
+        self.blocks.iter().map(|(&b, set)| {
+            let mut buf = [(0, 0); 1];
+            let mut v = Vec::new();
+            for &(word, mut bits) in set.words(&self.spill, &mut buf) {
+                while bits != 0 {
+                    v.push(word as usize * 64 + bits.trailing_zeros() as usize);
+                    bits &= bits - 1;
+                }
+            }
+            (b, v)
+        })
+    }
+
+    /// Sets a registered worker's state from a snapshot; returns how many blocks were new.
+    pub(crate) fn restore_worker(
+        &mut self,
+        worker: WorkerId,
+        next_event: u64,
+        stale: bool,
+        blocks: &[BlockHash],
+    ) -> usize {
+        let Some(&idx) = self.ids.get(&worker) else {
+            return 0;
+        };
+        let mut stored = 0;
+        for &b in blocks {
+            let newly = add_holder(&mut self.blocks, &mut self.spill, b, idx);
+            stored += usize::from(newly);
+        }
+        if let Some(Some(st)) = self.workers.get_mut(idx as usize) {
+            st.next_event = next_event;
+            st.stale = stale;
+            st.blocks += stored;
+        }
+        self.pairs += stored;
+        stored
+    }
+
     /// Blocks the index believes `worker` holds (the cache view); 0 for an unknown worker.
     pub fn block_count(&self, worker: WorkerId) -> usize {
         self.state(worker).map_or(0, |s| s.blocks)
@@ -632,6 +664,22 @@ impl CacheIndex {
             return Err("pair or worker totals are wrong".into());
         }
         Ok(())
+    }
+}
+
+/// Records that the worker at `idx` holds `b`; true if it was not recorded yet.
+fn add_holder(
+    blocks: &mut Map<BlockHash, WorkerSet>,
+    spill: &mut Spill,
+    b: BlockHash,
+    idx: u32,
+) -> bool {
+    match blocks.entry(b) {
+        hashbrown::hash_map::Entry::Occupied(mut e) => e.get_mut().insert(idx, spill),
+        hashbrown::hash_map::Entry::Vacant(v) => {
+            v.insert(WorkerSet::single(idx));
+            true
+        }
     }
 }
 

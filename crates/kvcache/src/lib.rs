@@ -32,6 +32,7 @@
 mod cache;
 mod hasher;
 mod index;
+mod snapshot;
 
 use std::fmt;
 
@@ -39,6 +40,7 @@ pub use cache::{BlockCache, CacheStats};
 pub use hasher::FixedState;
 pub use index::{Applied, CacheIndex, Overlaps};
 pub use kvblock::BlockHash;
+pub use snapshot::{IndexSnapshot, WorkerSnapshot, SNAPSHOT_VERSION};
 
 /// A worker (engine replica) as the router names it.
 ///
@@ -167,6 +169,12 @@ pub enum Error {
         event_id: u64,
         /// The missing parent.
         parent: BlockHash,
+    },
+    /// A snapshot that cannot be restored.
+    #[error("bad index snapshot: {why}")]
+    BadSnapshot {
+        /// What is wrong with it.
+        why: String,
     },
     /// More distinct workers than the index can number (2^32).
     #[error("too many workers: cannot add {worker}")]

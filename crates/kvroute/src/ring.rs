@@ -23,6 +23,10 @@ impl Ring {
         }
     }
 
+    pub(crate) fn vnodes(&self) -> u32 {
+        self.vnodes
+    }
+
     pub(crate) fn add(&mut self, w: WorkerId) {
         for v in 0..self.vnodes {
             let mut bytes = [0u8; 12];

@@ -2,7 +2,7 @@
 
 use hashbrown::hash_map::Entry;
 use kvblock::{BlockHash, BlockHasher, BlockSize};
-use kvcache::{Applied, CacheIndex, FixedState, KvEvent, Overlaps, WorkerId};
+use kvcache::{Applied, CacheIndex, FixedState, IndexSnapshot, KvEvent, Overlaps, WorkerId};
 use rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 
@@ -263,6 +263,11 @@ impl Router {
         {
             return false;
         }
+        self.register(worker)
+    }
+
+    /// Adds `worker` to the index (if new), the load tracker and the ring.
+    fn register(&mut self, worker: WorkerId) -> bool {
         let Ok(i) = self.index.add_worker(worker) else {
             return false; // 2^32 workers: cannot happen in memory
         };
@@ -344,6 +349,33 @@ impl Router {
     /// The mirrored cache index.
     pub fn index(&self) -> &CacheIndex {
         &self.index
+    }
+
+    /// A snapshot of the router's cache index (with per-worker event ids), for
+    /// [`restore_index`](Self::restore_index) in a restarted router or a new replica.
+    pub fn snapshot_index(&self) -> IndexSnapshot {
+        self.index.snapshot()
+    }
+
+    /// Replaces the cache index with a snapshot's and registers the workers it lists. Workers
+    /// registered here but absent from the snapshot stay, with an empty view. Meant for a router
+    /// that is starting: in-flight load is reset (finishing an earlier request is still fine).
+    pub fn restore_index(&mut self, snapshot: IndexSnapshot) -> Result<(), Error> {
+        let mut index = CacheIndex::restore(snapshot)?;
+        let keep = self.workers();
+        for &w in &keep {
+            index.add_worker(w)?;
+        }
+        let listed = index.workers();
+        self.index = index;
+        self.slots.clear();
+        self.members.clear();
+        self.ring = Ring::new(self.ring.vnodes());
+        for w in listed {
+            // The index has them already; this registers them for load tracking and the ring.
+            self.register(w);
+        }
+        Ok(())
     }
 
     /// Distinct in-flight prompt blocks on `worker`.

@@ -448,3 +448,62 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_restored_router_starts_warm_and_continues_the_event_ids() {
+    let mut a = router(Policy::Kv, 1.0, 2);
+    a.apply_event(
+        W0,
+        0,
+        &KvEvent::Stored {
+            parent: None,
+            blocks: chain(1..=8),
+        },
+    )
+    .unwrap();
+    a.apply_event(
+        W1,
+        0,
+        &KvEvent::Stored {
+            parent: None,
+            blocks: chain(20..=23),
+        },
+    )
+    .unwrap();
+    a.apply_event(
+        W1,
+        1,
+        &KvEvent::Removed {
+            blocks: vec![b(23)],
+        },
+    )
+    .unwrap();
+    let snap = a.snapshot_index();
+
+    let mut fresh = router(Policy::Kv, 1.0, 0);
+    fresh.add_worker(WorkerId::new(7)); // registered here, absent from the snapshot: kept, empty
+    fresh.restore_index(snap).unwrap();
+    assert_eq!(fresh.workers(), vec![W0, W1, WorkerId::new(7)]);
+    assert_eq!((fresh.cache_view(W0), fresh.cache_view(W1)), (8, 3));
+    assert_eq!(
+        fresh.explain(&chain(1..=10), Role::Unified),
+        a.explain(&chain(1..=10), Role::Unified)[..]
+            .iter()
+            .copied()
+            .chain(
+                fresh
+                    .explain(&chain(1..=10), Role::Unified)
+                    .into_iter()
+                    .filter(|c| c.worker == WorkerId::new(7))
+            )
+            .collect::<Vec<_>>()
+    );
+    let d = fresh.route(1, &chain(1..=10), Role::Unified).unwrap();
+    assert_eq!((d.worker, d.cache_hits), (W0, 8));
+    // Event ids continue where the snapshot left them.
+    assert!(fresh.apply_event(W1, 1, &KvEvent::Cleared).is_err());
+    assert_eq!(
+        fresh.apply_event(W1, 2, &KvEvent::Cleared).unwrap().gap,
+        None
+    );
+}
