@@ -66,8 +66,9 @@ enum Cmd {
 struct SweepArgs {
     /// The parameter and its values: NAME=V1,V2,... where NAME is any run flag without its
     /// dashes (des-overlap-weight, des-kv-blocks, des-instances, des-routing, request-rate, ...).
-    #[arg(long, value_name = "NAME=V1,V2,...")]
-    param: String,
+    /// Repeat it to move several parameters together (the i-th run takes each one's i-th value).
+    #[arg(long, value_name = "NAME=V1,V2,...", required = true)]
+    param: Vec<String>,
     /// Also write the rows as CSV to FILE.
     #[arg(long, value_name = "FILE")]
     csv: Option<PathBuf>,
@@ -433,17 +434,37 @@ fn main() -> ExitCode {
 
 /// Builds one configuration per swept value by parsing the command line again with the value
 /// appended, so every run flag can be swept and is validated exactly as for a single run.
+/// Several `--param`s move together: the i-th run takes the i-th value of each.
 fn sweep_command(args: &SweepArgs) -> ExitCode {
-    let (name, values) = match sweep::parse_param(&args.param) {
+    let params = match args
+        .param
+        .iter()
+        .map(|p| sweep::parse_param(p))
+        .collect::<Result<Vec<_>, _>>()
+    {
         Ok(p) => p,
         Err(e) => return usage_error(e),
     };
+    let runs = params.first().map_or(0, |p| p.1.len());
+    if let Some((name, values)) = params.iter().find(|p| p.1.len() != runs) {
+        return usage_error(format!(
+            "invalid --param {name}: {} value(s), but the first --param has {runs}; swept parameters move together",
+            values.len()
+        ));
+    }
     let argv: Vec<String> = std::env::args().collect();
-    let mut configs = Vec::with_capacity(values.len());
-    for v in values {
+    let mut configs = Vec::with_capacity(runs);
+    for i in 0..runs {
         let mut a = argv.clone();
-        a.push(format!("--{name}"));
-        a.push(v.clone());
+        for (name, values) in &params {
+            a.push(format!("--{name}"));
+            a.push(values[i].clone());
+        }
+        let label = params
+            .iter()
+            .map(|p| p.1[i].as_str())
+            .collect::<Vec<_>>()
+            .join("/");
         let parsed = match Cli::try_parse_from(&a) {
             Ok(Cli {
                 cmd: Some(Cmd::Sweep(s)),
@@ -453,10 +474,22 @@ fn sweep_command(args: &SweepArgs) -> ExitCode {
             Err(e) => Err(one_line(&e)),
         };
         match parsed {
-            Ok(cfg) => configs.push((v, cfg)),
-            Err(e) => return usage_error(format!("--param {name}={v}: {e}")),
+            Ok(cfg) => configs.push((label, cfg)),
+            Err(e) => {
+                let given = params
+                    .iter()
+                    .map(|p| format!("{}={}", p.0, p.1[i]))
+                    .collect::<Vec<_>>()
+                    .join(" ");
+                return usage_error(format!("--param {given}: {e}"));
+            }
         }
     }
+    let name = params
+        .iter()
+        .map(|p| p.0.as_str())
+        .collect::<Vec<_>>()
+        .join("/");
     sweep::main(args, &name, configs)
 }
 

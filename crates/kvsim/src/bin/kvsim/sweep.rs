@@ -28,6 +28,10 @@ pub(crate) struct Row {
     pub(crate) evictions: u64,
     pub(crate) completed: usize,
     pub(crate) rejected: usize,
+    /// Disaggregated runs: the decode pool's block reuse (blocks not transferred) and balance.
+    pub(crate) decode_block_reuse: Option<f64>,
+    pub(crate) decode_load_balance: Option<f64>,
+    pub(crate) transfer_p99_ms: Option<f64>,
 }
 
 impl Row {
@@ -47,6 +51,9 @@ impl Row {
             evictions: r.evictions,
             completed: r.completed,
             rejected: r.rejected,
+            decode_block_reuse: r.pd.as_ref().map(|p| p.decode.block_reuse),
+            decode_load_balance: r.pd.as_ref().map(|p| p.decode.load_balance),
+            transfer_p99_ms: r.pd.as_ref().map(|p| p.transfer_ms.p99),
         }
     }
 }
@@ -162,12 +169,13 @@ pub(crate) fn main(args: &SweepArgs, name: &str, configs: Vec<(String, SimConfig
 fn to_csv(rows: &[Row]) -> String {
     let mut s = String::from(
         "param,value,request_hit_rate,block_reuse,per_instance_hit_rate_min,per_instance_hit_rate_max,\
-         load_balance,ttft_p50_ms,ttft_p99_ms,itl_p99_ms,makespan_s,evictions,completed,rejected\n",
+         load_balance,ttft_p50_ms,ttft_p99_ms,itl_p99_ms,makespan_s,evictions,completed,rejected,\
+         decode_block_reuse,decode_load_balance,transfer_p99_ms\n",
     );
     for r in rows {
         let _ = writeln!(
             s,
-            "{},{},{:.6},{:.6},{:.6},{:.6},{:.4},{:.3},{:.3},{:.3},{:.3},{},{},{}",
+            "{},{},{:.6},{:.6},{:.6},{:.6},{:.4},{:.3},{:.3},{:.3},{:.3},{},{},{},{},{},{}",
             r.param,
             r.value,
             r.request_hit_rate,
@@ -181,13 +189,21 @@ fn to_csv(rows: &[Row]) -> String {
             r.makespan_s,
             r.evictions,
             r.completed,
-            r.rejected
+            r.rejected,
+            opt(r.decode_block_reuse, 6),
+            opt(r.decode_load_balance, 4),
+            opt(r.transfer_p99_ms, 3)
         );
     }
     s
 }
 
+fn opt(v: Option<f64>, digits: usize) -> String {
+    v.map_or_else(String::new, |x| format!("{x:.digits$}"))
+}
+
 fn to_table(name: &str, fleet: &str, rows: &[Row]) -> String {
+    let pd = rows.iter().any(|r| r.decode_block_reuse.is_some());
     let w = rows
         .iter()
         .map(|r| r.value.len())
@@ -197,12 +213,13 @@ fn to_table(name: &str, fleet: &str, rows: &[Row]) -> String {
     let mut s = format!("  Sweep of {name} over {} value(s) | {fleet}\n", rows.len());
     let _ = writeln!(
         s,
-        "  {name:>w$}  hit-rate  block-reuse  per-instance  balance  TTFT p50  TTFT p99   ITL p99  makespan"
+        "  {name:>w$}  hit-rate  block-reuse  per-instance  balance     TTFT p50     TTFT p99    ITL p99   makespan{}",
+        if pd { "  decode-reuse  decode-balance  transfer p99" } else { "" }
     );
     for r in rows {
         let _ = writeln!(
             s,
-            "  {:>w$}  {:>7.1}%  {:>10.1}%  {:>12}  {:>7.2}  {:>5.0} ms  {:>5.0} ms  {:>5.1} ms  {:>6.1} s{}",
+            "  {:>w$}  {:>7.1}%  {:>10.1}%  {:>12}  {:>7.2}  {:>8.0} ms  {:>8.0} ms  {:>6.1} ms  {:>8.1} s{}{}",
             r.value,
             r.request_hit_rate * 100.0,
             r.block_reuse * 100.0,
@@ -212,6 +229,10 @@ fn to_table(name: &str, fleet: &str, rows: &[Row]) -> String {
             r.ttft_p99_ms,
             r.itl_p99_ms,
             r.makespan_s,
+            match (r.decode_block_reuse, r.decode_load_balance, r.transfer_p99_ms) {
+                (Some(reuse), Some(bal), Some(t)) => format!("  {:>11.1}%  {bal:>14.2}  {t:>9.1} ms", reuse * 100.0),
+                _ => String::new(),
+            },
             if r.load_balance > kvsim::HOT_SPOT_THRESHOLD { "  hot spot" } else { "" }
         );
     }
