@@ -19,15 +19,9 @@ use kvsim::{
 /// the router scores engines with the same cost function a deployed kvroute router uses, so the
 /// prefix-cache hit rate emerges from content, capacity and routing. Same flags and seed, same
 /// report, byte for byte.
-///
-/// Examples:
-///   kvsim                                            the default fleet on a synthetic prefix pool
-///   kvsim --des-routing round_robin --des-kv-blocks 20000
-///   kvsim --trace conversation.jsonl --des-instances 8
-///   kvsim trace-stats conversation.jsonl
-///   kvsim sweep --param des-overlap-weight=0,0.5,1,2,4 --plot sweep.svg
 #[derive(Debug, Parser)]
 #[command(
+    after_help = EXAMPLES,
     name = "kvsim",
     version,
     about,
@@ -288,6 +282,14 @@ pub(crate) struct RunArgs {
     #[arg(long, short, help_heading = "Output")]
     quiet: bool,
 }
+
+const EXAMPLES: &str = "Examples:
+  kvsim                                         the default fleet on a synthetic prefix pool
+  kvsim --des-routing round_robin --des-kv-blocks 20000
+  kvsim --trace conversation.jsonl --des-instances 8 --des-kv-blocks 900
+  kvsim --des-prefill-instances 4 --des-decode-instances 4 --kv-prefill-overlap-weight 20
+  kvsim trace-stats conversation.jsonl
+  kvsim sweep --param des-overlap-weight=0,0.5,1,2,4 --plot sweep.svg";
 
 fn parse_arrival(s: &str) -> Result<ArrivalModel, String> {
     s.parse()
