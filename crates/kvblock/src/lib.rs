@@ -26,6 +26,8 @@
 //! # Ok::<(), kvblock::Error>(())
 //! ```
 #![deny(missing_docs)]
+// No input a caller, an engine or a file supplies may panic the library.
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
 use std::fmt;
 use std::num::NonZeroU32;
@@ -85,6 +87,13 @@ impl BlockSize {
     /// How many blocks `tokens` tokens occupy, counting a partial last block.
     pub fn blocks_for(self, tokens: usize) -> usize {
         tokens.div_ceil(self.get())
+    }
+}
+
+impl Default for BlockSize {
+    /// 16 tokens, the canonical size engines and routers use.
+    fn default() -> Self {
+        BlockSize(NonZeroU32::MIN.saturating_add(15))
     }
 }
 
@@ -484,6 +493,7 @@ mod tests {
         assert!(BlockSize::new(1 << 40).is_err());
         assert_eq!(BlockSize::new(512).unwrap().blocks_for(513), 2);
         assert_eq!(BlockSize::new(512).unwrap().full_blocks(1023), 1);
+        assert_eq!(BlockSize::default().get(), 16);
     }
 
     #[test]

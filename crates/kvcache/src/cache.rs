@@ -480,7 +480,8 @@ impl BlockCache {
 
     fn pin_slot(&mut self, s: u32) {
         let slot = &mut self.slots[s as usize];
-        slot.pins += 1;
+        // Saturates rather than overflows: 2^32 pins of one block cannot happen in practice.
+        slot.pins = slot.pins.saturating_add(1);
         if slot.pins > 1 {
             return;
         }

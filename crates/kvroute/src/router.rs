@@ -59,7 +59,7 @@ pub struct RouterBuilder {
 impl Default for RouterBuilder {
     fn default() -> Self {
         RouterBuilder {
-            block_size: BlockSize::new(16).unwrap_or_else(|_| unreachable!("16 is valid")),
+            block_size: BlockSize::default(),
             policy: Policy::Kv,
             overlap_weight: 1.0,
             prefill_weight: None,

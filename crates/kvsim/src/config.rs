@@ -13,6 +13,11 @@ use crate::trace::Trace;
 use crate::timing::LinearTiming;
 use crate::Error;
 
+/// Prompt and output lengths above this many tokens are refused (a trace refuses them too).
+pub const MAX_TOKENS: usize = 1 << 24;
+/// Engines per pool above this are refused.
+const MAX_ENGINES: usize = 1 << 16;
+
 /// How request arrival times are drawn.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
@@ -217,7 +222,7 @@ impl Default for SimConfig {
             prefix_popularity: Popularity::Uniform,
             input_len: 4096,
             output_len: 256,
-            block_size: BlockSize::new(16).unwrap_or_else(|_| unreachable!("16 is valid")),
+            block_size: BlockSize::default(),
             instances: 4,
             kv_blocks: None,
             max_batched_tokens: 8192,
@@ -305,8 +310,31 @@ impl SimConfig {
                 Err(Error::invalid(flag, v, "a whole number >= 1"))
             }
         };
-        positive("--request-rate", self.request_rate)?;
-        positive("--arrival-cv", self.arrival_cv)?;
+        // Bounds keep arithmetic finite and memory sane; they are far beyond any real fleet.
+        let within = |flag, v: f64, lo: f64, hi: f64, expected: &'static str| {
+            if v.is_finite() && (lo..=hi).contains(&v) {
+                Ok(())
+            } else {
+                Err(Error::invalid(flag, v, expected))
+            }
+        };
+        let at_most = |flag, v: usize, hi: usize| {
+            if v <= hi {
+                Ok(())
+            } else {
+                Err(Error::invalid(flag, v, format!("at most {hi}")))
+            }
+        };
+        within("--request-rate", self.request_rate, 1e-6, 1e9, "a number from 0.000001 to 1e9 (requests/s)")?;
+        within("--arrival-cv", self.arrival_cv, 1e-3, 1e3, "a number from 0.001 to 1000")?;
+        at_most("--input-len", self.input_len, MAX_TOKENS)?;
+        at_most("--output-len", self.output_len, MAX_TOKENS)?;
+        at_most("--des-prefix-len", self.prefix_len, MAX_TOKENS)?;
+        at_most("--des-num-prefixes", self.num_prefixes, 1 << 20)?;
+        at_most("--des-instances", self.instances, MAX_ENGINES)?;
+        at_most("--des-prefill-instances", self.prefill_instances.unwrap_or(0), MAX_ENGINES)?;
+        at_most("--des-decode-instances", self.decode_instances.unwrap_or(0), MAX_ENGINES)?;
+        at_most("--des-routers", self.routers, 1024)?;
         at_least_one("--des-num-requests", self.num_requests)?;
         at_least_one("--des-num-prefixes", self.num_prefixes)?;
         at_least_one("--input-len", self.input_len)?;

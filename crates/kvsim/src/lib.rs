@@ -25,6 +25,8 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 #![deny(missing_docs)]
+// No input a caller, an engine or a file supplies may panic the library.
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
 mod config;
 mod report;
@@ -34,7 +36,7 @@ mod timing;
 mod trace;
 mod workload;
 
-pub use config::{ArrivalModel, Popularity, SimConfig, TraceTiming};
+pub use config::{ArrivalModel, Popularity, SimConfig, TraceTiming, MAX_TOKENS};
 pub use kvroute::Policy;
 pub use report::{InstanceReport, PdReport, PoolReport, Report, Summary, HOT_SPOT_THRESHOLD};
 pub use sim::Simulation;

@@ -320,7 +320,7 @@ impl<'a> Run<'a> {
             pending: None,
             queue: BinaryHeap::new(),
             seq: 0,
-            reqs: Vec::with_capacity(cfg.request_count()),
+            reqs: Vec::with_capacity(cfg.request_count().min(1 << 20)),
             engines,
             itl: Vec::new(),
             router_errors: 0,
@@ -331,6 +331,7 @@ impl<'a> Run<'a> {
 
     fn push(&mut self, time: u64, kind: Kind) {
         self.seq += 1;
+        let time = time.max(self.now);
         self.queue.push(Event {
             time,
             seq: self.seq,
@@ -501,7 +502,7 @@ impl<'a> Run<'a> {
         if eng.decoding > 0 {
             self.itl.push((dur, eng.decoding as u64));
         }
-        self.push(self.now + dur, Kind::StepDone(e));
+        self.push(self.now.saturating_add(dur), Kind::StepDone(e));
     }
 
     fn step_done(&mut self, e: usize) {
@@ -622,7 +623,7 @@ impl<'a> Run<'a> {
             + self.cfg.pd_transfer_latency_us;
         req.transfer_us = transfer;
         req.mem_blocks = self.block_size.blocks_for(req.input + req.output);
-        self.push(now + transfer, Kind::TransferDone(r));
+        self.push(now.saturating_add(transfer), Kind::TransferDone(r));
     }
 
     fn transfer_done(&mut self, r: usize) {
@@ -664,7 +665,7 @@ impl<'a> Run<'a> {
         if self.cfg.event_delay_us == 0 {
             self.deliver(e, &events);
         } else {
-            self.push(self.now + self.cfg.event_delay_us, Kind::Deliver(e, events));
+            self.push(self.now.saturating_add(self.cfg.event_delay_us), Kind::Deliver(e, events));
         }
     }
 

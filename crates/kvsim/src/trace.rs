@@ -7,6 +7,8 @@ use std::path::Path;
 use kvblock::{BlockHash, BlockSize};
 use serde_json::Value;
 
+use crate::config::MAX_TOKENS;
+
 /// One request of a trace.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -67,7 +69,7 @@ impl std::error::Error for TraceError {}
 ///
 /// let bad = r#"{"timestamp": 0, "input_length": -3, "output_length": 1, "hash_ids": []}"#;
 /// let e = kvsim::Trace::parse("bad.jsonl", bad, BlockSize::new(512)?).unwrap_err();
-/// assert_eq!(e.to_string(), "bad.jsonl:1: input_length: expected a whole number >= 0, got -3");
+/// assert_eq!(e.to_string(), "bad.jsonl:1: input_length: expected a whole number from 0 to 16777216, got -3");
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -136,7 +138,8 @@ impl Trace {
                 let x = field(k)?;
                 x.as_u64()
                     .and_then(|n| usize::try_from(n).ok())
-                    .ok_or_else(|| err(line, format!("{k}: expected a whole number >= 0, got {x}")))
+                    .filter(|&n| n <= MAX_TOKENS)
+                    .ok_or_else(|| err(line, format!("{k}: expected a whole number from 0 to {MAX_TOKENS}, got {x}")))
             };
             let input_len = whole("input_length")?;
             let output_len = whole("output_length")?;

@@ -62,11 +62,11 @@ fn malformed_lines_name_file_line_and_problem() {
         ),
         (
             r#"{"timestamp": 6, "input_length": -1, "output_length": 2, "hash_ids": []}"#,
-            "input_length: expected a whole number >= 0, got -1",
+            "input_length: expected a whole number from 0 to 16777216, got -1",
         ),
         (
             r#"{"timestamp": 6, "input_length": 1.5, "output_length": 2, "hash_ids": []}"#,
-            "input_length: expected a whole number >= 0, got 1.5",
+            "input_length: expected a whole number from 0 to 16777216, got 1.5",
         ),
         (
             r#"{"timestamp": 6, "input_length": 10, "output_length": "x", "hash_ids": []}"#,
@@ -166,7 +166,7 @@ fn cli_trace_errors_exit_2_with_file_and_line() {
     assert!(out.is_empty());
     assert_eq!(
         err.trim(),
-        format!("kvsim: {p}:7: input_length: expected a whole number >= 0, got -4")
+        format!("kvsim: {p}:7: input_length: expected a whole number from 0 to 16777216, got -4")
     );
     let g = temp_file("good.jsonl", &good);
     let g = g.to_str().unwrap();
