@@ -29,7 +29,10 @@
 //! ```
 #![deny(missing_docs)]
 // No input a caller, an engine or a file supplies may panic the library.
-#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
+#![cfg_attr(
+    not(test),
+    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
+)]
 
 mod cache;
 mod hasher;

@@ -31,7 +31,9 @@ fn rss_kib(field: &str) -> Option<u64> {
 #[ignore = "soak: run explicitly in release"]
 fn ten_million_events_stay_flat() {
     let mut rng = 7u64;
-    let mut caches: Vec<BlockCache> = (0..WORKERS).map(|_| BlockCache::new(NonZeroUsize::new(CAPACITY))).collect();
+    let mut caches: Vec<BlockCache> = (0..WORKERS)
+        .map(|_| BlockCache::new(NonZeroUsize::new(CAPACITY)))
+        .collect();
     let mut ids = vec![0u64; WORKERS];
     let mut index = CacheIndex::new();
     let mut events = 0u64;
@@ -45,12 +47,19 @@ fn ten_million_events_stay_flat() {
         chain.clear();
         chain.extend((0..16).map(|i| BlockHash::new((prefix << 40) | i)));
         let history = splitmix(&mut rng) % 512;
-        chain.extend((0..4).map(|i| BlockHash::new((1 << 62) | (prefix << 40) | (history << 8) | i)));
+        chain.extend(
+            (0..4).map(|i| BlockHash::new((1 << 62) | (prefix << 40) | (history << 8) | i)),
+        );
         let unique = splitmix(&mut rng) | (1 << 63);
-        chain.extend((0..(splitmix(&mut rng) % 12)).map(|i| BlockHash::new(unique.wrapping_add(i) | (1 << 63))));
+        chain.extend(
+            (0..(splitmix(&mut rng) % 12))
+                .map(|i| BlockHash::new(unique.wrapping_add(i) | (1 << 63))),
+        );
         caches[w].insert(&chain).expect("nothing is pinned");
         for ev in caches[w].drain_events() {
-            index.apply(WorkerId::new(w as u64), ids[w], &ev).expect("in order");
+            index
+                .apply(WorkerId::new(w as u64), ids[w], &ev)
+                .expect("in order");
             ids[w] += 1;
             events += 1;
             if events % 1_000_000 == 0 {
@@ -59,13 +68,20 @@ fn ten_million_events_stay_flat() {
         }
     }
     let truth: usize = caches.iter().map(BlockCache::len).sum();
-    assert_eq!(index.pairs(), truth, "the index holds exactly what the engines hold");
+    assert_eq!(
+        index.pairs(),
+        truth,
+        "the index holds exactly what the engines hold"
+    );
     for (w, c) in caches.iter().enumerate() {
         assert_eq!(index.block_count(WorkerId::new(w as u64)), c.len());
     }
     println!("events     pairs      rss (MiB)");
     for (e, p, r) in &samples {
-        println!("{e:>9}  {p:>9}  {}", r.map_or("n/a".into(), |k| format!("{:.1}", k as f64 / 1024.0)));
+        println!(
+            "{e:>9}  {p:>9}  {}",
+            r.map_or("n/a".into(), |k| format!("{:.1}", k as f64 / 1024.0))
+        );
     }
     let peak = rss_kib("VmHWM:");
     if let Some(peak) = peak {
@@ -79,8 +95,14 @@ fn ten_million_events_stay_flat() {
     // between an insert's Removed and Stored events: at most one chain below) and memory within 10%.
     let warm: Vec<_> = samples.iter().skip(2).collect();
     let full = WORKERS * CAPACITY;
-    assert!(warm.iter().all(|s| (full - 32..=full).contains(&s.1)), "pairs must sit at capacity: {warm:?}");
+    assert!(
+        warm.iter().all(|s| (full - 32..=full).contains(&s.1)),
+        "pairs must sit at capacity: {warm:?}"
+    );
     if let (Some((_, _, Some(first))), Some((_, _, Some(last)))) = (warm.first(), warm.last()) {
-        assert!(*last as f64 <= *first as f64 * 1.10, "memory grew from {first} KiB to {last} KiB");
+        assert!(
+            *last as f64 <= *first as f64 * 1.10,
+            "memory grew from {first} KiB to {last} KiB"
+        );
     }
 }

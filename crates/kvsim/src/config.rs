@@ -325,15 +325,35 @@ impl SimConfig {
                 Err(Error::invalid(flag, v, format!("at most {hi}")))
             }
         };
-        within("--request-rate", self.request_rate, 1e-6, 1e9, "a number from 0.000001 to 1e9 (requests/s)")?;
-        within("--arrival-cv", self.arrival_cv, 1e-3, 1e3, "a number from 0.001 to 1000")?;
+        within(
+            "--request-rate",
+            self.request_rate,
+            1e-6,
+            1e9,
+            "a number from 0.000001 to 1e9 (requests/s)",
+        )?;
+        within(
+            "--arrival-cv",
+            self.arrival_cv,
+            1e-3,
+            1e3,
+            "a number from 0.001 to 1000",
+        )?;
         at_most("--input-len", self.input_len, MAX_TOKENS)?;
         at_most("--output-len", self.output_len, MAX_TOKENS)?;
         at_most("--des-prefix-len", self.prefix_len, MAX_TOKENS)?;
         at_most("--des-num-prefixes", self.num_prefixes, 1 << 20)?;
         at_most("--des-instances", self.instances, MAX_ENGINES)?;
-        at_most("--des-prefill-instances", self.prefill_instances.unwrap_or(0), MAX_ENGINES)?;
-        at_most("--des-decode-instances", self.decode_instances.unwrap_or(0), MAX_ENGINES)?;
+        at_most(
+            "--des-prefill-instances",
+            self.prefill_instances.unwrap_or(0),
+            MAX_ENGINES,
+        )?;
+        at_most(
+            "--des-decode-instances",
+            self.decode_instances.unwrap_or(0),
+            MAX_ENGINES,
+        )?;
         at_most("--des-routers", self.routers, 1024)?;
         at_least_one("--des-num-requests", self.num_requests)?;
         at_least_one("--des-num-prefixes", self.num_prefixes)?;

@@ -665,7 +665,10 @@ impl<'a> Run<'a> {
         if self.cfg.event_delay_us == 0 {
             self.deliver(e, &events);
         } else {
-            self.push(self.now.saturating_add(self.cfg.event_delay_us), Kind::Deliver(e, events));
+            self.push(
+                self.now.saturating_add(self.cfg.event_delay_us),
+                Kind::Deliver(e, events),
+            );
         }
     }
 

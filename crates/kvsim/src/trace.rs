@@ -139,7 +139,12 @@ impl Trace {
                 x.as_u64()
                     .and_then(|n| usize::try_from(n).ok())
                     .filter(|&n| n <= MAX_TOKENS)
-                    .ok_or_else(|| err(line, format!("{k}: expected a whole number from 0 to {MAX_TOKENS}, got {x}")))
+                    .ok_or_else(|| {
+                        err(
+                            line,
+                            format!("{k}: expected a whole number from 0 to {MAX_TOKENS}, got {x}"),
+                        )
+                    })
             };
             let input_len = whole("input_length")?;
             let output_len = whole("output_length")?;
