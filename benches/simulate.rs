@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvkit::kvblock::BlockSize;
-use kvkit::kvsim::{SimConfig, Simulation};
+use kvkit::kvsim::{SimConfig, Simulation, Trace};
 
 fn config(
     requests: usize,
@@ -48,6 +48,23 @@ fn simulate(c: &mut Criterion) {
             config(20_000, 16, 60.0, 16, Some(30_000)),
         ),
     ];
+    let mut runs = runs.to_vec();
+    // The whole Mooncake conversation trace (12,031 requests, 59 minutes) on 8 instances, when
+    // the shared data sits beside the repository.
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../shared/data/mooncake_conversation_trace.jsonl");
+    match Trace::load(&path, BlockSize::new(512).expect("non-zero")) {
+        Ok(trace) => {
+            let mut cfg = SimConfig::default().with_trace(trace);
+            cfg.instances = 8;
+            cfg.kv_blocks = Some(900);
+            runs.push((
+                "conversation trace (12,031 req, 8 inst, 900 blocks/inst)",
+                cfg,
+            ));
+        }
+        Err(e) => eprintln!("skipping the trace run: {e}"),
+    }
     for (name, cfg) in runs {
         group.throughput(Throughput::Elements(cfg.num_requests as u64));
         let sim = Simulation::new(cfg).expect("valid");
