@@ -43,10 +43,22 @@
 //! multi-threaded server shares it as `Arc<Mutex<Router>>`, routing and finishing from request
 //! threads and applying events from the event-subscriber thread. Each call holds the lock for
 //! microseconds. See `examples/embed_router.rs`.
+//!
+//! # Features
+//!
+//! - `vllm`: the `kvroute::vllm` module, which decodes vLLM's MessagePack KV-event batches and
+//!   applies them to a [`Router`] (engine block hashes mapped to ours, sequence numbers checked).
 #![deny(missing_docs)]
+// No input a caller, an engine or a file supplies may panic the library.
+#![cfg_attr(
+    not(test),
+    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
+)]
 
 mod ring;
 mod router;
+#[cfg(feature = "vllm")]
+pub mod vllm;
 
 use std::fmt;
 use std::str::FromStr;
