@@ -469,11 +469,19 @@ impl CacheIndex {
         let mut buf = [(0, 0)];
         out.active
             .extend_from_slice(first.words(&self.spill, &mut buf));
-        for (depth, h) in chain.iter().enumerate().skip(1) {
-            let holders = match self.blocks.get(h) {
-                Some(s) => s.words(&self.spill, &mut buf),
-                None => &[],
-            };
+        // Probe the blocks a batch at a time: the probes are independent, so their cache misses
+        // overlap instead of being paid one after another between the merges. At most BATCH - 1
+        // probes past the end of the longest run are wasted.
+        const BATCH: usize = 8;
+        let mut sets = [WorkerSet::EMPTY; BATCH];
+        for depth in 1..chain.len() {
+            let k = (depth - 1) % BATCH;
+            if k == 0 {
+                for (set, h) in sets.iter_mut().zip(&chain[depth..]) {
+                    *set = self.blocks.get(h).copied().unwrap_or(WorkerSet::EMPTY);
+                }
+            }
+            let holders = sets[k].words(&self.spill, &mut buf);
             out.next.clear();
             let mut j = 0;
             for &(word, bits) in &out.active {

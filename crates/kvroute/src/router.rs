@@ -158,6 +158,8 @@ impl RouterBuilder {
             config: self,
             index: CacheIndex::new(),
             slots: Vec::new(),
+            active: Vec::new(),
+            spare: Vec::new(),
             members: Vec::new(),
             requests: Map::default(),
             next_rr: 0,
@@ -214,6 +216,10 @@ pub struct Router {
     rng: Xoshiro256PlusPlus,
     /// Load by the index's dense worker index.
     slots: Vec<Option<Load>>,
+    /// `slots[i].blocks.len()` by dense index, packed for the scan of every worker per request.
+    active: Vec<usize>,
+    /// Block lists of finished requests, reused by the next routes.
+    spare: Vec<Vec<BlockHash>>,
     /// Dense indices of registered workers, in worker-id order.
     members: Vec<usize>,
     requests: Map<u64, InFlight>,
@@ -273,7 +279,9 @@ impl Router {
         };
         if self.slots.len() <= i {
             self.slots.resize(i + 1, None);
+            self.active.resize(i + 1, 0);
         }
+        self.active[i] = 0;
         self.generation += 1;
         self.slots[i] = Some(Load {
             id: worker,
@@ -301,6 +309,7 @@ impl Router {
         };
         self.index.remove_worker(worker);
         self.slots[i] = None;
+        self.active[i] = 0;
         self.members.retain(|&m| m != i);
         self.ring.remove(worker);
         true
@@ -369,6 +378,7 @@ impl Router {
         let listed = index.workers();
         self.index = index;
         self.slots.clear();
+        self.active.clear();
         self.members.clear();
         self.ring = Ring::new(self.ring.vnodes());
         for w in listed {
@@ -439,14 +449,17 @@ impl Router {
                 *load.blocks.entry(b).or_insert(0) += 1;
             }
             load.requests += 1;
+            self.active[chosen] = load.blocks.len();
             (load.id, load.generation, active)
         };
+        let mut kept = self.spare.pop().unwrap_or_default();
+        kept.extend_from_slice(blocks);
         self.requests.insert(
             request_id,
             InFlight {
                 slot: chosen,
                 generation,
-                blocks: blocks.to_vec(),
+                blocks: kept,
             },
         );
         Ok(Decision {
@@ -474,7 +487,7 @@ impl Router {
 
     /// Marks a request finished, releasing its in-flight blocks.
     pub fn finish(&mut self, request_id: u64) -> Result<(), Error> {
-        let req = self
+        let mut req = self
             .requests
             .remove(&request_id)
             .ok_or(Error::UnknownRequest { request_id })?;
@@ -489,7 +502,12 @@ impl Router {
                     }
                 }
                 load.requests -= 1;
+                self.active[req.slot] = load.blocks.len();
             }
+        }
+        if self.spare.len() < 64 {
+            req.blocks.clear();
+            self.spare.push(req.blocks);
         }
         Ok(())
     }
@@ -519,10 +537,7 @@ impl Router {
         let mut ties = 0u64;
         for k in 0..self.members.len() {
             let i = self.members[k];
-            let Some(load) = self.slots[i].as_ref() else {
-                continue;
-            };
-            let c = cost(weight, n, self.overlaps.run_at(i), load.blocks.len());
+            let c = cost(weight, n, self.overlaps.run_at(i), self.active[i]);
             if c < best {
                 best = c;
                 chosen = i;
