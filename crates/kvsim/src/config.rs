@@ -176,6 +176,8 @@ pub struct SimConfig {
     pub routing: Policy,
     /// The `kv` policy's overlap weight (`--des-overlap-weight`).
     pub overlap_weight: f64,
+    /// The `prefix_aware` policy's key: the first K blocks (`--prefix-aware-blocks`).
+    pub prefix_aware_blocks: usize,
     /// Delay before the router sees an engine's KV events, in microseconds
     /// (`--des-event-delay-ms` × 1000).
     pub event_delay_us: u64,
@@ -230,6 +232,7 @@ impl Default for SimConfig {
             timing: LinearTiming::default(),
             routing: Policy::Kv,
             overlap_weight: 1.0,
+            prefix_aware_blocks: 1,
             event_delay_us: 0,
             prefill_instances: None,
             decode_instances: None,
@@ -388,6 +391,7 @@ impl SimConfig {
         non_negative("--des-overlap-weight", self.overlap_weight)?;
         positive("--trace-speedup", self.trace_speedup)?;
         at_least_one("--des-routers", self.routers)?;
+        at_least_one("--prefix-aware-blocks", self.prefix_aware_blocks)?;
         if self.disaggregated() {
             let (Some(p), Some(d)) = (self.prefill_instances, self.decode_instances) else {
                 let (flag, v) = if self.prefill_instances.is_some() {

@@ -227,6 +227,7 @@ impl Routers {
                     .block_size(cfg.block_size)
                     .policy(cfg.routing)
                     .overlap_weight(cfg.overlap_weight)
+                    .prefix_blocks(cfg.prefix_aware_blocks)
                     // Replica 0 uses the run's seed, so one replica is exactly the plain run.
                     .seed(
                         cfg.seed

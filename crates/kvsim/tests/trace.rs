@@ -334,14 +334,16 @@ fn conversation_trace_policies() {
         return;
     };
     let trace = Trace::load(&path, bs(512)).unwrap();
-    let run = |policy| {
+    let run_k = |policy, k| {
         let mut cfg = SimConfig::default().with_trace(trace.clone());
         cfg.instances = 8;
         cfg.kv_blocks = Some(2000);
         cfg.num_requests = 4000;
         cfg.routing = policy;
+        cfg.prefix_aware_blocks = k;
         Simulation::new(cfg).unwrap().run().unwrap()
     };
+    let run = |policy| run_k(policy, 1);
     let (kv, rr, pa) = (
         run(Policy::Kv),
         run(Policy::RoundRobin),
@@ -355,4 +357,12 @@ fn conversation_trace_policies() {
     );
     assert!(pa.hot_spot && pa.load_balance > 7.9, "{}", pa.load_balance);
     assert!(pa.to_text(false).contains("WARNING: hot-spotting"));
+    // Keying on the first two blocks separates the conversations again.
+    let pa2 = run_k(Policy::PrefixAware, 2);
+    assert!(
+        pa2.load_balance < 4.0 && pa2.block_reuse > pa.block_reuse,
+        "{} {}",
+        pa2.load_balance,
+        pa2.block_reuse
+    );
 }

@@ -222,6 +222,9 @@ pub(crate) struct RunArgs {
         help_heading = "Routing"
     )]
     des_overlap_weight: f64,
+    /// prefix_aware policy: how many leading blocks form the consistent-hash key.
+    #[arg(long, default_value_t = 1, value_name = "K", help_heading = "Routing")]
+    prefix_aware_blocks: usize,
     /// Delay before the router sees the engines' KV events, milliseconds.
     #[arg(
         long,
@@ -379,6 +382,7 @@ impl RunArgs {
         );
         cfg.routing = self.des_routing;
         cfg.overlap_weight = self.des_overlap_weight;
+        cfg.prefix_aware_blocks = self.prefix_aware_blocks;
         cfg.event_delay_us = (delay * 1000.0).round() as u64;
         cfg.validate().map_err(|e| e.to_string())?;
         Ok(cfg)
