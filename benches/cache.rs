@@ -7,6 +7,9 @@
 // `criterion_group!` defines an undocumented `pub fn`; the workspace denies `missing_docs`.
 #![allow(missing_docs)]
 
+#[path = "support/splitmix.rs"]
+mod splitmix;
+
 use std::hint::black_box;
 use std::num::NonZeroUsize;
 
@@ -14,18 +17,10 @@ use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criteri
 use kvkit::kvblock::BlockHash;
 use kvkit::kvcache::{BlockCache, CacheIndex, KvEvent, Overlaps, WorkerId};
 
-/// A bijective 64-bit mixer (the splitmix64 finalizer over a golden-ratio step).
-fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
 /// Block `i` of chain `chain` in namespace `tag`: distinct for distinct triples (`chain` < 2^32,
 /// `i` < 2^24, `tag` < 2^8).
 fn block(tag: u64, chain: u64, i: u64) -> BlockHash {
-    BlockHash::new(splitmix64((tag << 56) | (chain << 24) | i))
+    BlockHash::new(splitmix::mix((tag << 56) | (chain << 24) | i))
 }
 
 /// A chain of `len` blocks, distinct from every other `(tag, id)`.

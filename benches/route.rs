@@ -10,6 +10,9 @@
 // criterion_group! generates an undocumented public function.
 #![allow(missing_docs)]
 
+#[path = "support/splitmix.rs"]
+mod splitmix;
+
 use std::hint::black_box;
 
 use std::time::{Duration, Instant};
@@ -29,28 +32,9 @@ const TARGET_PAIRS: usize = 1 << 20;
 const IN_FLIGHT_PER_WORKER: u64 = 4;
 const QUERIES: usize = 256;
 
-/// SplitMix64: deterministic, no dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// An index below `n`, skewed towards 0 (density ~ 1/sqrt(x)): popular prefixes.
-    fn skewed(&mut self, n: usize) -> usize {
-        let u = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
-        ((n as f64 * u * u) as usize).min(n - 1)
-    }
-}
-
 /// `n` deterministic pseudo-random token ids named by `tag`.
 fn tokens(tag: u64, n: usize) -> Vec<u32> {
-    let mut rng = Rng(tag.wrapping_mul(0xD1B5_4A32_D192_ED03));
+    let mut rng = splitmix::Rng(tag.wrapping_mul(0xD1B5_4A32_D192_ED03));
     (0..n).map(|_| (rng.next() % 100_000) as u32).collect()
 }
 
@@ -61,7 +45,7 @@ struct Corpus {
     prefix_blocks: Vec<Vec<BlockHash>>,
     doc_tokens: Vec<Vec<Vec<u32>>>,
     doc_blocks: Vec<Vec<Vec<BlockHash>>>,
-    rng: Rng,
+    rng: splitmix::Rng,
     next_tail: u64,
 }
 
@@ -109,7 +93,7 @@ impl Corpus {
             prefix_blocks,
             doc_tokens,
             doc_blocks,
-            rng: Rng(seed),
+            rng: splitmix::Rng(seed),
             next_tail: 1 << 40,
         }
     }

@@ -17,6 +17,9 @@
 //! Prompts are deterministic; which worker serves which request depends a little on how the
 //! threads interleave, so the counts can vary slightly from run to run.
 
+#[path = "../benches/support/splitmix.rs"]
+mod splitmix;
+
 use std::error::Error;
 use std::num::NonZeroUsize;
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -81,26 +84,9 @@ fn lock(router: &Mutex<Router>) -> MutexGuard<'_, Router> {
     router.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// SplitMix64: a tiny deterministic generator, so the prompts are the same on every run.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 /// `n` stand-in token ids named by `tag` (a tokenizer's output in a real router).
 fn tokens(tag: u64, n: usize) -> Vec<u32> {
-    let mut rng = Rng(tag);
+    let mut rng = splitmix::Rng(tag);
     (0..n).map(|_| (rng.next() % 50_000) as u32).collect()
 }
 
@@ -162,7 +148,7 @@ fn requests(
     engines: Vec<Sender<Job>>,
     hasher: BlockHasher,
 ) -> Result<Vec<Outcome>, String> {
-    let mut rng = Rng(thread_no + 1);
+    let mut rng = splitmix::Rng(thread_no + 1);
     let (reply, replies) = channel();
     let mut outcomes = Vec::new();
     for i in 0..REQUESTS_PER_THREAD {

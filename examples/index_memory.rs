@@ -6,6 +6,9 @@
 //! prints the pairs, the distinct blocks, the peak resident set size and the bytes per pair.
 //! Resident set sizes come from `/proc/self/status` (Linux); elsewhere they print "unavailable".
 
+#[path = "../benches/support/splitmix.rs"]
+mod splitmix;
+
 use std::time::Instant;
 
 use kvkit::kvblock::BlockHash;
@@ -18,17 +21,9 @@ const CHAIN: u64 = 64;
 const SHARED_POOL: u64 = 64;
 const SHARED_EACH: u64 = 8;
 
-/// A bijective 64-bit mixer (splitmix64), so block hashes look like real ones to the hash map.
-fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
 /// Block `i` of chain `chain`; `shared` chains and private ones never collide.
 fn block(shared: bool, chain: u64, i: u64) -> BlockHash {
-    BlockHash::new(splitmix64((u64::from(shared) << 63) | (chain << 8) | i))
+    BlockHash::new(splitmix::mix((u64::from(shared) << 63) | (chain << 8) | i))
 }
 
 /// Applies one root `Stored` event of `blocks` for worker `w`, as event `*id`.

@@ -3,6 +3,9 @@
 //!
 //! `cargo test --release -p kvcache --test soak -- --ignored --nocapture`
 
+#[path = "../../../benches/support/splitmix.rs"]
+mod splitmix;
+
 use std::num::NonZeroUsize;
 
 use kvblock::BlockHash;
@@ -11,14 +14,6 @@ use kvcache::{BlockCache, CacheIndex, WorkerId};
 const WORKERS: usize = 256;
 const CAPACITY: usize = 2_000;
 const EVENTS: u64 = 10_000_000;
-
-fn splitmix(x: &mut u64) -> u64 {
-    *x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *x;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
 
 /// Resident set size in KiB (Linux); `None` elsewhere.
 fn rss_kib(field: &str) -> Option<u64> {
@@ -30,7 +25,7 @@ fn rss_kib(field: &str) -> Option<u64> {
 #[test]
 #[ignore = "soak: run explicitly in release"]
 fn ten_million_events_stay_flat() {
-    let mut rng = 7u64;
+    let mut rng = splitmix::Rng(7);
     let mut caches: Vec<BlockCache> = (0..WORKERS)
         .map(|_| BlockCache::new(NonZeroUsize::new(CAPACITY)))
         .collect();
@@ -40,20 +35,19 @@ fn ten_million_events_stay_flat() {
     let mut samples: Vec<(u64, usize, Option<u64>)> = Vec::new();
     let mut chain = Vec::with_capacity(64);
     while events < EVENTS {
-        let w = (splitmix(&mut rng) % WORKERS as u64) as usize;
+        let w = (rng.next() % WORKERS as u64) as usize;
         // A prompt: one of 64 shared system prompts (16 blocks), then a few history blocks drawn
         // from a small per-prefix space (reused now and then), then a unique tail.
-        let prefix = splitmix(&mut rng) % 64;
+        let prefix = rng.next() % 64;
         chain.clear();
         chain.extend((0..16).map(|i| BlockHash::new((prefix << 40) | i)));
-        let history = splitmix(&mut rng) % 512;
+        let history = rng.next() % 512;
         chain.extend(
             (0..4).map(|i| BlockHash::new((1 << 62) | (prefix << 40) | (history << 8) | i)),
         );
-        let unique = splitmix(&mut rng) | (1 << 63);
+        let unique = rng.next() | (1 << 63);
         chain.extend(
-            (0..(splitmix(&mut rng) % 12))
-                .map(|i| BlockHash::new(unique.wrapping_add(i) | (1 << 63))),
+            (0..(rng.next() % 12)).map(|i| BlockHash::new(unique.wrapping_add(i) | (1 << 63))),
         );
         caches[w].insert(&chain).expect("nothing is pinned");
         for ev in caches[w].drain_events() {
