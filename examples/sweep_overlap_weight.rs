@@ -4,14 +4,15 @@
 //! `cargo run --release --example sweep_overlap_weight`
 //!
 //! For the same from the command line, with a chart: `kvsim sweep --param
-//! des-overlap-weight=0,0.25,0.5,1,2,4,8 --prefix-popularity zipf:1.2 --plot sweep.svg`.
+//! des-overlap-weight=0,0.25,0.5,1,2,4,8 --prefix-popularity zipf:1.2 --des-num-prefixes 16
+//! --des-instances 8 --request-rate 40 --des-num-requests 2000 --des-kv-blocks 4000 --plot sweep.svg`.
 
 use kvkit::kvsim::{Popularity, SimConfig, Simulation};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut base = SimConfig::default();
-    base.num_requests = 1_500;
-    base.request_rate = 12.0;
+    base.num_requests = 2_000;
+    base.request_rate = 40.0;
     base.instances = 8;
     base.num_prefixes = 16;
     base.prefix_popularity = Popularity::Zipf(1.2);

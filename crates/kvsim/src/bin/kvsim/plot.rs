@@ -76,7 +76,7 @@ pub(crate) fn draw(path: &Path, name: &str, rows: &[Row]) -> Result<(), String> 
         .map_err(|e| err(&e))?;
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
+        .position(SeriesLabelPosition::MiddleRight)
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .draw()
