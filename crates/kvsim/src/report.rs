@@ -19,6 +19,11 @@ pub(crate) struct Collected {
     pub(crate) inconsistent_inserts: u64,
 }
 
+/// The 1-based nearest rank of quantile `q` among `total` samples: `ceil(q * total)`, at least 1.
+pub(crate) fn nearest_rank(q: f64, total: u64) -> u64 {
+    ((q * total as f64).ceil() as u64).clamp(1, total.max(1))
+}
+
 /// Mean and percentiles of a latency, in milliseconds (nearest-rank percentiles).
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
 #[non_exhaustive]
@@ -43,8 +48,8 @@ impl Summary {
         samples.sort_unstable();
         let sum: f64 = samples.iter().map(|&(v, w)| v as f64 * w as f64).sum();
         let at = |q: f64| {
-            // Nearest rank: the smallest value whose cumulative weight reaches ceil(q * total).
-            let rank = ((q * total as f64).ceil() as u64).clamp(1, total);
+            // Nearest rank: the smallest value whose cumulative weight reaches the rank.
+            let rank = nearest_rank(q, total);
             let mut acc = 0;
             for &(v, w) in samples.iter() {
                 acc += w;

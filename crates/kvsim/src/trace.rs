@@ -305,7 +305,10 @@ impl Lengths {
             return Lengths::default();
         }
         v.sort_unstable();
-        let at = |q: f64| v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
+        let at = |q: f64| {
+            let rank = crate::report::nearest_rank(q, v.len() as u64) as usize;
+            v.get(rank - 1).copied().unwrap_or_default()
+        };
         Lengths {
             mean: v.iter().sum::<usize>() as f64 / v.len() as f64,
             p50: at(0.5),

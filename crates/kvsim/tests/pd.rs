@@ -152,9 +152,15 @@ fn one_router_replica_is_the_single_router_run_byte_for_byte() {
     c.routers = 4;
     let four = run(c.clone());
     assert_eq!(four.routers, 4);
-    assert!(four.to_text(false).starts_with("  Fleet: 4 instance(s), routing=kv, 4 routers | "));
+    assert!(four
+        .to_text(false)
+        .starts_with("  Fleet: 4 instance(s), routing=kv, 4 routers | "));
     assert_ne!(four.to_text(false), SINGLE_ROUTER);
-    assert_eq!(four.to_json(), run(c).to_json(), "replicas are deterministic too");
+    assert_eq!(
+        four.to_json(),
+        run(c).to_json(),
+        "replicas are deterministic too"
+    );
 }
 
 #[test]
