@@ -741,6 +741,45 @@ mod tests {
         )
     }
 
+    /// Requests with equal timestamps arrive in file order (the conversation trace has only
+    /// 1,180 distinct timestamps for 12,031 requests).
+    #[test]
+    fn equal_timestamps_keep_file_order() {
+        let lines: Vec<String> = (0..6)
+            .map(|i| {
+                format!(
+                    r#"{{"timestamp": {}, "input_length": {}, "output_length": 2, "hash_ids": [{i}]}}"#,
+                    if i < 3 { 0 } else { 7 },
+                    100 + i
+                )
+            })
+            .collect();
+        let trace =
+            crate::Trace::parse("t", &lines.join("\n"), BlockSize::new(64).unwrap()).unwrap();
+        let cfg = SimConfig {
+            instances: 3,
+            routing: Policy::RoundRobin,
+            ..SimConfig::default().with_trace(trace)
+        };
+        let (c, _, _) = finished_run(&cfg);
+        let order: Vec<(usize, usize, u64)> = c
+            .reqs
+            .iter()
+            .map(|r| (r.input, r.engine, r.arrival))
+            .collect();
+        assert_eq!(
+            order,
+            vec![
+                (100, 0, 0),
+                (101, 1, 0),
+                (102, 2, 0),
+                (103, 0, 7000),
+                (104, 1, 7000),
+                (105, 2, 7000)
+            ]
+        );
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(64))]
         /// Whatever the settings: every request completes or is rejected, nothing stays pinned
