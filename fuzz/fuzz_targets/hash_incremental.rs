@@ -1,40 +1,7 @@
-//! Incremental hashing equals batch hashing for arbitrary tokens, block sizes, salts and splits.
+//! See `fuzz/src/hash_incremental.rs`.
 #![no_main]
 
-use kvblock::{BlockHasher, BlockSequence, BlockSize};
+use kvkit_fuzz::hash_incremental::{check, Input};
 use libfuzzer_sys::fuzz_target;
 
-#[derive(Debug, arbitrary::Arbitrary)]
-struct Input {
-    block_size: u8,
-    lora: String,
-    tokens: Vec<u32>,
-    splits: Vec<u16>,
-}
-
-fuzz_target!(|input: Input| {
-    let Ok(bs) = BlockSize::new(usize::from(input.block_size)) else {
-        assert_eq!(input.block_size, 0);
-        return;
-    };
-    let h = BlockHasher::new(bs).with_lora_name(&input.lora);
-    let batch = h.sequence_hashes(&input.tokens);
-    assert_eq!(batch.len(), input.tokens.len() / bs.get());
-    assert_eq!(h.local_hashes(&input.tokens).len(), batch.len());
-
-    let mut cuts: Vec<usize> = input
-        .splits
-        .iter()
-        .map(|&c| usize::from(c).min(input.tokens.len()))
-        .collect();
-    cuts.sort_unstable();
-    let mut seq = BlockSequence::new(h);
-    let mut got = Vec::new();
-    let mut start = 0;
-    for c in cuts.into_iter().chain(std::iter::once(input.tokens.len())) {
-        seq.extend_into(&input.tokens[start..c], &mut got);
-        start = c;
-    }
-    assert_eq!(got, batch);
-    assert_eq!(seq.pending_tokens(), input.tokens.len() % bs.get());
-});
+fuzz_target!(|input: Input| check(&input));

@@ -1,92 +1,20 @@
 //! `CacheIndex` against a naive model (a set per worker), and the mirror property: caches under
 //! eviction pressure, their events applied to one index, always agree.
+//!
+//! The model and the step that compares it with the real index live in `model/index.rs`, shared
+//! with the fuzz targets `index_events` and `router_ops`.
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::num::NonZeroUsize;
 
 use kvblock::{BlockHash, BlockHasher, BlockSize};
-use kvcache::{BlockCache, CacheIndex, Error, KvEvent, WorkerId};
+use kvcache::{BlockCache, CacheIndex, KvEvent, WorkerId};
 use proptest::prelude::*;
 
-#[derive(Debug, Default)]
-struct MWorker {
-    blocks: BTreeSet<BlockHash>,
-    next: u64,
-    stale: bool,
-}
+#[allow(dead_code)]
+#[path = "model/index.rs"]
+mod model;
 
-type Outcome = (Option<(u64, u64)>, usize, usize, usize, usize);
-
-#[derive(Debug, Default)]
-struct Model {
-    workers: BTreeMap<WorkerId, MWorker>,
-}
-
-impl Model {
-    /// Ok(gap, stored, present, removed, unknown) or Err(kind).
-    fn apply(&mut self, w: WorkerId, id: u64, ev: &KvEvent) -> Result<Outcome, &'static str> {
-        let st = self.workers.entry(w).or_default();
-        if id < st.next {
-            return Err("stale");
-        }
-        let gap = (id > st.next).then_some((st.next, id));
-        st.stale |= gap.is_some();
-        st.next = id.saturating_add(1);
-        match ev {
-            KvEvent::Stored { parent, blocks } => {
-                if let Some(p) = parent {
-                    if !st.blocks.contains(p) {
-                        st.stale = true;
-                        return Err("parent");
-                    }
-                }
-                let (mut new, mut present) = (0, 0);
-                for b in blocks {
-                    if st.blocks.insert(*b) {
-                        new += 1
-                    } else {
-                        present += 1
-                    }
-                }
-                Ok((gap, new, present, 0, 0))
-            }
-            KvEvent::Removed { blocks } => {
-                let (mut rem, mut unk) = (0, 0);
-                for b in blocks {
-                    if st.blocks.remove(b) {
-                        rem += 1
-                    } else {
-                        unk += 1
-                    }
-                }
-                Ok((gap, 0, 0, rem, unk))
-            }
-            KvEvent::Cleared => {
-                let n = st.blocks.len();
-                st.blocks.clear();
-                st.stale = false;
-                Ok((gap, 0, 0, n, 0))
-            }
-        }
-    }
-    fn run(&self, w: WorkerId, q: &[BlockHash]) -> usize {
-        self.workers
-            .get(&w)
-            .map_or(0, |s| q.iter().take_while(|b| s.blocks.contains(b)).count())
-    }
-}
-
-#[derive(Debug, Clone)]
-enum Op {
-    Apply {
-        worker: u64,
-        id_delta: i8,
-        event: KvEvent,
-    },
-    Remove(u64),
-    Clear(u64),
-    Query(Vec<BlockHash>),
-}
+use model::{Model, Op};
 
 fn blocks() -> impl Strategy<Value = Vec<BlockHash>> {
     prop::collection::vec((0u64..12).prop_map(BlockHash::new), 0..6)
@@ -105,8 +33,10 @@ fn op() -> impl Strategy<Value = Op> {
         8 => (worker.clone(), prop_oneof![8 => Just(0i8), 1 => -2i8..0, 1 => 1i8..3], event)
             .prop_map(|(worker, id_delta, event)| Op::Apply { worker, id_delta, event }),
         1 => worker.clone().prop_map(Op::Remove),
-        1 => worker.prop_map(Op::Clear),
+        1 => worker.clone().prop_map(Op::Clear),
+        1 => worker.prop_map(Op::Add),
         3 => blocks().prop_map(Op::Query),
+        1 => Just(Op::Restore),
     ]
 }
 
@@ -125,55 +55,9 @@ proptest! {
             model.workers.entry(w).or_default();
         }
         for op in &ops {
-            match op {
-                Op::Apply { worker, id_delta, event } => {
-                    let w = WorkerId::new(*worker);
-                    let next = model.workers.get(&w).map_or(0, |s| s.next);
-                    let id = next.saturating_add_signed(i64::from(*id_delta));
-                    let r = real.apply(w, id, event);
-                    let m = model.apply(w, id, event);
-                    match (r, m) {
-                        (Ok(a), Ok((gap, stored, present, removed, unknown))) => {
-                            prop_assert_eq!((a.gap, a.stored, a.already_present, a.removed, a.unknown_removed),
-                                            (gap, stored, present, removed, unknown));
-                        }
-                        (Err(Error::StaleEvent { got, .. }), Err("stale")) => prop_assert_eq!(got, id),
-                        (Err(Error::UnknownParent { .. }), Err("parent")) => {}
-                        (r, m) => prop_assert!(false, "{:?}: real {:?}, model {:?}", op, r, m),
-                    }
-                }
-                Op::Remove(w) => {
-                    let w = WorkerId::new(*w);
-                    prop_assert_eq!(real.remove_worker(w), model.workers.remove(&w).is_some());
-                }
-                Op::Clear(w) => {
-                    let w = WorkerId::new(*w);
-                    let n = model.workers.get_mut(&w).map_or(0, |s| {
-                        s.stale = false;
-                        std::mem::take(&mut s.blocks).len()
-                    });
-                    prop_assert_eq!(real.clear_worker(w), n);
-                }
-                Op::Query(q) => {
-                    let ov = real.overlaps(q);
-                    for &w in model.workers.keys() {
-                        prop_assert_eq!(ov.get(w), model.run(w, q));
-                        let i = real.worker_index(w).expect("registered");
-                        prop_assert_eq!(ov.run_at(i), model.run(w, q));
-                    }
-                    prop_assert_eq!(ov.iter().count(), model.workers.keys().filter(|w| model.run(**w, q) > 0).count());
-                }
+            if let Err(e) = model::step(&mut real, &mut model, op) {
+                return Err(TestCaseError::fail(e));
             }
-            if let Err(e) = real.check_invariants() {
-                return Err(TestCaseError::fail(format!("after {op:?}: {e}")));
-            }
-            prop_assert_eq!(real.workers(), model.workers.keys().copied().collect::<Vec<_>>());
-            for (w, s) in &model.workers {
-                prop_assert_eq!(real.block_count(*w), s.blocks.len());
-                prop_assert_eq!(real.is_stale(*w), s.stale);
-                prop_assert_eq!(real.next_event_id(*w), Some(s.next));
-            }
-            prop_assert_eq!(real.pairs(), model.workers.values().map(|s| s.blocks.len()).sum::<usize>());
         }
     }
 

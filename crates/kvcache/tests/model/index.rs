@@ -1,0 +1,307 @@
+//! A naive model of `kvcache::CacheIndex` (a set of blocks per worker, the next expected event
+//! id, the stale flag) and the differential step that drives the real index and the model with
+//! the same operation, then compares everything observable.
+//!
+//! Shared, not copied: `tests/index_model.rs` (proptest) includes this file with
+//! `#[path = "model/index.rs"] mod model;`; the fuzz targets `index_events` and `router_ops`
+//! (`fuzz/src/`) include it with a `#[path]` too. It depends only on `kvblock` and `kvcache`.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use kvblock::BlockHash;
+use kvcache::{Applied, CacheIndex, Error, KvEvent, WorkerId};
+
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct MWorker {
+    pub blocks: BTreeSet<BlockHash>,
+    pub next: u64,
+    pub stale: bool,
+}
+
+/// `(gap, stored, already_present, removed, unknown_removed)`, as [`Applied`] reports them.
+pub type Outcome = (Option<(u64, u64)>, usize, usize, usize, usize);
+
+/// Why the model rejects an event (the real error must be of the same kind).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reject {
+    /// `Error::StaleEvent`: an id at or below one already applied.
+    Stale,
+    /// `Error::UnknownParent`: a `Stored` under a parent the worker does not hold.
+    Parent,
+}
+
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Model {
+    pub workers: BTreeMap<WorkerId, MWorker>,
+}
+
+impl Model {
+    /// The same accept/reject rules as `CacheIndex::apply` (registering an unknown worker).
+    pub fn apply(&mut self, w: WorkerId, id: u64, ev: &KvEvent) -> Result<Outcome, Reject> {
+        let st = self.workers.entry(w).or_default();
+        if id < st.next {
+            return Err(Reject::Stale);
+        }
+        let gap = (id > st.next).then_some((st.next, id));
+        st.stale |= gap.is_some();
+        st.next = id.saturating_add(1);
+        match ev {
+            KvEvent::Stored { parent, blocks } => {
+                if let Some(p) = parent {
+                    if !st.blocks.contains(p) {
+                        st.stale = true;
+                        return Err(Reject::Parent);
+                    }
+                }
+                let (mut new, mut present) = (0, 0);
+                for b in blocks {
+                    if st.blocks.insert(*b) {
+                        new += 1
+                    } else {
+                        present += 1
+                    }
+                }
+                Ok((gap, new, present, 0, 0))
+            }
+            KvEvent::Removed { blocks } => {
+                let (mut rem, mut unk) = (0, 0);
+                for b in blocks {
+                    if st.blocks.remove(b) {
+                        rem += 1
+                    } else {
+                        unk += 1
+                    }
+                }
+                Ok((gap, 0, 0, rem, unk))
+            }
+            KvEvent::Cleared => {
+                let n = st.blocks.len();
+                st.blocks.clear();
+                st.stale = false;
+                Ok((gap, 0, 0, n, 0))
+            }
+        }
+    }
+    /// `clear_worker`: forgets the blocks, keeps the id sequence; returns how many it held.
+    pub fn clear(&mut self, w: WorkerId) -> usize {
+        self.workers.get_mut(&w).map_or(0, |s| {
+            s.stale = false;
+            std::mem::take(&mut s.blocks).len()
+        })
+    }
+    pub fn run(&self, w: WorkerId, q: &[BlockHash]) -> usize {
+        self.workers
+            .get(&w)
+            .map_or(0, |s| q.iter().take_while(|b| s.blocks.contains(b)).count())
+    }
+}
+
+/// Compares a real `apply` result with the model's.
+pub fn same_outcome(
+    r: &Result<Applied, Error>,
+    m: &Result<Outcome, Reject>,
+    id: u64,
+) -> Result<(), String> {
+    match (r, m) {
+        (Ok(a), Ok(o)) => {
+            let got = (
+                a.gap,
+                a.stored,
+                a.already_present,
+                a.removed,
+                a.unknown_removed,
+            );
+            if got != *o {
+                return Err(format!("applied {got:?}, model {o:?}"));
+            }
+        }
+        (Err(Error::StaleEvent { got, .. }), Err(Reject::Stale)) if *got == id => {}
+        (Err(Error::UnknownParent { event_id, .. }), Err(Reject::Parent)) if *event_id == id => {}
+        (r, m) => return Err(format!("real {r:?}, model {m:?}")),
+    }
+    Ok(())
+}
+
+/// One operation on an index. The proptest and the fuzz target generate these their own way.
+#[derive(Debug, Clone)]
+pub enum Op {
+    /// `apply` with the id the model expects next, plus `id_delta` (saturating).
+    Apply {
+        worker: u64,
+        id_delta: i8,
+        event: KvEvent,
+    },
+    /// `apply` with this exact id.
+    ApplyAt {
+        worker: u64,
+        id: u64,
+        event: KvEvent,
+    },
+    Add(u64),
+    Remove(u64),
+    Clear(u64),
+    Query(Vec<BlockHash>),
+    /// Replace the real index with `CacheIndex::restore(index.snapshot())`.
+    Restore,
+}
+
+/// Applies `op` to the real index and the model, then compares answers, the registered workers,
+/// every worker's block count, stale flag, next event id and held blocks, the totals, and runs
+/// `check_invariants`. `Err` describes the first disagreement.
+pub fn step(real: &mut CacheIndex, model: &mut Model, op: &Op) -> Result<(), String> {
+    match op {
+        Op::Apply {
+            worker,
+            id_delta,
+            event,
+        } => {
+            let w = WorkerId::new(*worker);
+            let next = model.workers.get(&w).map_or(0, |s| s.next);
+            let id = next.saturating_add_signed(i64::from(*id_delta));
+            apply(real, model, w, id, event).map_err(|e| format!("{op:?} (id {id}): {e}"))?;
+        }
+        Op::ApplyAt { worker, id, event } => {
+            apply(real, model, WorkerId::new(*worker), *id, event)
+                .map_err(|e| format!("{op:?}: {e}"))?;
+        }
+        Op::Add(w) => {
+            let w = WorkerId::new(*w);
+            let i = real.add_worker(w).map_err(|e| format!("{op:?}: {e}"))?;
+            model.workers.entry(w).or_default();
+            if real.worker_at(i) != Some(w) || real.worker_index(w) != Some(i) {
+                return Err(format!("{op:?}: dense index {i} does not name {w}"));
+            }
+        }
+        Op::Remove(w) => {
+            let w = WorkerId::new(*w);
+            let (r, m) = (real.remove_worker(w), model.workers.remove(&w).is_some());
+            if r != m {
+                return Err(format!("{op:?}: real {r}, model {m}"));
+            }
+        }
+        Op::Clear(w) => {
+            let w = WorkerId::new(*w);
+            let (r, m) = (real.clear_worker(w), model.clear(w));
+            if r != m {
+                return Err(format!("{op:?}: real {r}, model {m}"));
+            }
+        }
+        Op::Query(q) => {
+            let ov = real.overlaps(q);
+            let mut reused = kvcache::Overlaps::new();
+            real.overlaps_into(&[BlockHash::new(u64::MAX)], &mut reused);
+            real.overlaps_into(q, &mut reused);
+            for &w in model.workers.keys() {
+                let want = model.run(w, q);
+                let i = real.worker_index(w).ok_or(format!("{w} not registered"))?;
+                let got = (ov.get(w), ov.run_at(i), reused.get(w), reused.run_at(i));
+                if got != (want, want, want, want) {
+                    return Err(format!("{op:?}: {w} runs {got:?}, model {want}"));
+                }
+            }
+            let matched = model
+                .workers
+                .keys()
+                .filter(|w| model.run(**w, q) > 0)
+                .count();
+            let max = model.workers.keys().map(|w| model.run(*w, q)).max();
+            if ov.iter().count() != matched || ov.max() != max.unwrap_or(0) {
+                return Err(format!(
+                    "{op:?}: {} matched (max {}), model {matched} (max {max:?})",
+                    ov.iter().count(),
+                    ov.max()
+                ));
+            }
+            if ov
+                .iter()
+                .any(|(w, r)| r == 0 || !model.workers.contains_key(&w))
+                || ov.iter().zip(ov.iter().skip(1)).any(|(a, b)| a.1 > b.1)
+            {
+                return Err(format!(
+                    "{op:?}: bad iter {:?}",
+                    ov.iter().collect::<Vec<_>>()
+                ));
+            }
+        }
+        Op::Restore => {
+            *real = CacheIndex::restore(real.snapshot()).map_err(|e| format!("{op:?}: {e}"))?;
+        }
+    }
+    check(real, model).map_err(|e| format!("after {op:?}: {e}"))
+}
+
+fn apply(
+    real: &mut CacheIndex,
+    model: &mut Model,
+    w: WorkerId,
+    id: u64,
+    event: &KvEvent,
+) -> Result<(), String> {
+    let r = real.apply(w, id, event);
+    let m = model.apply(w, id, event);
+    same_outcome(&r, &m, id)
+}
+
+/// Everything the index reports, against the model.
+pub fn check(real: &CacheIndex, model: &Model) -> Result<(), String> {
+    real.check_invariants()?;
+    let workers: Vec<WorkerId> = model.workers.keys().copied().collect();
+    if real.workers() != workers || real.worker_count() != workers.len() {
+        return Err(format!("workers {:?}, model {workers:?}", real.workers()));
+    }
+    for (w, s) in &model.workers {
+        let got = (
+            real.block_count(*w),
+            real.is_stale(*w),
+            real.next_event_id(*w),
+        );
+        let want = (s.blocks.len(), s.stale, Some(s.next));
+        if got != want {
+            return Err(format!(
+                "{w}: (blocks, stale, next id) {got:?}, model {want:?}"
+            ));
+        }
+        if let Some(b) = s.blocks.iter().find(|b| !real.holds(*w, **b)) {
+            return Err(format!("{w} does not hold {b}"));
+        }
+        let i = real.worker_index(*w).ok_or(format!("{w} has no index"))?;
+        if real.worker_at(i) != Some(*w) || i >= real.index_bound() {
+            return Err(format!("{w}: dense index {i} is wrong"));
+        }
+    }
+    let snap = real.snapshot();
+    let listed: Vec<_> = snap
+        .workers
+        .iter()
+        .map(|w| (w.worker, w.next_event_id, w.stale, w.blocks.clone()))
+        .collect();
+    let want: Vec<_> = model
+        .workers
+        .iter()
+        .map(|(w, s)| {
+            (
+                *w,
+                s.next,
+                s.stale,
+                s.blocks.iter().copied().collect::<Vec<_>>(),
+            )
+        })
+        .collect();
+    if snap.version != kvcache::SNAPSHOT_VERSION || listed != want {
+        return Err(format!("snapshot {snap:?}, model {want:?}"));
+    }
+    let pairs: usize = model.workers.values().map(|s| s.blocks.len()).sum();
+    let distinct: BTreeSet<BlockHash> = model
+        .workers
+        .values()
+        .flat_map(|s| s.blocks.iter().copied())
+        .collect();
+    if (real.pairs(), real.distinct_blocks()) != (pairs, distinct.len()) {
+        return Err(format!(
+            "pairs/distinct {:?}, model {:?}",
+            (real.pairs(), real.distinct_blocks()),
+            (pairs, distinct.len())
+        ));
+    }
+    Ok(())
+}
