@@ -24,18 +24,8 @@ mod router_ops;
 #[path = "../fuzz/src/trace_line.rs"]
 mod trace_line;
 
-/// SplitMix64: a fixed, dependency-free byte source.
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-}
+#[path = "../benches/support/splitmix.rs"]
+mod splitmix;
 
 fn files(dir: &Path) -> Vec<std::path::PathBuf> {
     let Ok(entries) = std::fs::read_dir(dir) else {
@@ -64,7 +54,7 @@ fn replay(target: &str, run: fn(&[u8])) {
             inputs.push((path.display().to_string(), bytes));
         }
     }
-    let mut rng = SplitMix(0x6b76_6b69_7400 ^ target.len() as u64);
+    let mut rng = splitmix::Rng(0x6b76_6b69_7400 ^ target.len() as u64);
     for k in 0..200 {
         let len = (rng.next() % 600) as usize;
         // Half uniform bytes; half small, mostly odd ones, which `arbitrary` decodes as longer
