@@ -310,7 +310,8 @@ impl Lengths {
             v.get(rank - 1).copied().unwrap_or_default()
         };
         Lengths {
-            mean: v.iter().sum::<usize>() as f64 / v.len() as f64,
+            // Summed as f64: no length bound is needed for the mean not to overflow.
+            mean: v.iter().map(|&x| x as f64).sum::<f64>() / v.len() as f64,
             p50: at(0.5),
             p99: at(0.99),
         }
