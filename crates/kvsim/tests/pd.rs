@@ -1,7 +1,7 @@
 //! Disaggregated prefill/decode pools and router replicas.
 
 use kvblock::BlockSize;
-use kvsim::{Policy, Popularity, Report, SimConfig, Simulation};
+use kvsim::{Popularity, Report, SimConfig, Simulation};
 
 fn pd(prefill_w: Option<f64>, decode_w: Option<f64>) -> SimConfig {
     let mut c = SimConfig::default();
@@ -238,5 +238,4 @@ fn the_simulator_has_no_scoring_of_its_own() {
             }
         }
     }
-    let _ = Policy::Kv;
 }
