@@ -11,7 +11,6 @@
 mod splitmix;
 
 use std::hint::black_box;
-use std::num::NonZeroUsize;
 
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion, Throughput};
 use kvkit::kvblock::BlockHash;
@@ -39,7 +38,7 @@ fn match_len(c: &mut Criterion) {
     let prompts: Vec<Vec<BlockHash>> = (0..chains as u64)
         .map(|id| chain(1, id, PROMPT_BLOCKS))
         .collect();
-    let mut cache = BlockCache::new(NonZeroUsize::new(MATCH_RESIDENT));
+    let mut cache = BlockCache::new(Some(MATCH_RESIDENT));
     for p in &prompts {
         cache.insert(p).expect("fits");
     }
@@ -81,7 +80,7 @@ fn insert_evicting(c: &mut Criterion) {
     let chains: Vec<Vec<BlockHash>> = (0..ring as u64)
         .map(|id| chain(2, id, INSERT_CHAIN))
         .collect();
-    let mut cache = BlockCache::new(NonZeroUsize::new(INSERT_CAPACITY));
+    let mut cache = BlockCache::new(Some(INSERT_CAPACITY));
     for ch in &chains[..resident_chains] {
         cache.insert(ch).expect("fits");
     }

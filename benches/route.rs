@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvkit::kvblock::{BlockHash, BlockHasher, BlockSize};
 use kvkit::kvcache::{KvEvent, WorkerId};
-use kvkit::kvroute::{Policy, Role, Router};
+use kvkit::kvroute::{Policy, RequestId, Role, Router};
 
 const BLOCK_SIZE: usize = 16;
 const PREFIX_BLOCKS: usize = 32;
@@ -167,7 +167,7 @@ fn fixture(workers: usize) -> (Router, Vec<Prompt>) {
     for request in 0..in_flight {
         let p = corpus.prompt();
         router
-            .route(request, &p.blocks, Role::Unified)
+            .route(RequestId::new(request), &p.blocks, Role::Unified)
             .expect("routable");
     }
     let queries: Vec<Prompt> = (0..QUERIES).map(|_| corpus.prompt()).collect();
@@ -218,10 +218,14 @@ fn route_only(c: &mut Criterion) {
                     for _ in 0..iters {
                         let q = &queries[request as usize % QUERIES];
                         let start = Instant::now();
-                        let d = router.route(request, black_box(&q.blocks), Role::Unified);
+                        let d = router.route(
+                            RequestId::new(request),
+                            black_box(&q.blocks),
+                            Role::Unified,
+                        );
                         timed += start.elapsed();
                         black_box(d.expect("routable"));
-                        router.finish(request).expect("in flight");
+                        router.finish(RequestId::new(request)).expect("in flight");
                         request += 1;
                     }
                     timed
@@ -244,9 +248,9 @@ fn route(c: &mut Criterion) {
                 b.iter(|| {
                     let q = &queries[request as usize % QUERIES];
                     let d = router
-                        .route(request, black_box(&q.blocks), Role::Unified)
+                        .route(RequestId::new(request), black_box(&q.blocks), Role::Unified)
                         .expect("routable");
-                    router.finish(request).expect("in flight");
+                    router.finish(RequestId::new(request)).expect("in flight");
                     request += 1;
                     black_box(d)
                 })
@@ -268,9 +272,9 @@ fn route_tokens(c: &mut Criterion) {
             b.iter(|| {
                 let q = &queries[request as usize % QUERIES];
                 let d = router
-                    .route_tokens(request, black_box(&q.tokens), Role::Unified)
+                    .route_tokens(RequestId::new(request), black_box(&q.tokens), Role::Unified)
                     .expect("routable");
-                router.finish(request).expect("in flight");
+                router.finish(RequestId::new(request)).expect("in flight");
                 request += 1;
                 black_box(d)
             })

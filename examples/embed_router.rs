@@ -21,14 +21,13 @@
 mod splitmix;
 
 use std::error::Error;
-use std::num::NonZeroUsize;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread;
 
 use kvkit::kvblock::{BlockHash, BlockHasher, BlockSize};
 use kvkit::kvcache::{BlockCache, KvEvent, WorkerId};
-use kvkit::kvroute::{Policy, Role, Router};
+use kvkit::kvroute::{Policy, RequestId, Role, Router};
 
 const WORKERS: u64 = 4;
 /// Blocks each engine can hold: enough for the hot prefixes, not for every question.
@@ -96,7 +95,7 @@ fn engine(
     jobs: Receiver<Job>,
     events: Sender<Published>,
 ) -> Result<EngineReport, String> {
-    let mut cache = BlockCache::new(NonZeroUsize::new(CAPACITY));
+    let mut cache = BlockCache::new(Some(CAPACITY));
     let mut next_event = 0u64;
     let mut served = 0u64;
     for job in jobs {
@@ -164,7 +163,7 @@ fn requests(
         let blocks = hasher.sequence_hashes(&prompt);
 
         let decision = lock(&router)
-            .route(request_id, &blocks, Role::Unified)
+            .route(RequestId::new(request_id), &blocks, Role::Unified)
             .map_err(|e| format!("request {request_id}: {e}"))?;
         let engine = usize::try_from(decision.worker.get())
             .ok()
@@ -181,7 +180,7 @@ fn requests(
             .recv()
             .map_err(|_| format!("{} dropped request {request_id}", decision.worker))?;
         lock(&router)
-            .finish(request_id)
+            .finish(RequestId::new(request_id))
             .map_err(|e| format!("request {request_id}: {e}"))?;
         outcomes.push(Outcome {
             request_id,

@@ -45,7 +45,7 @@ use axum::routing::{get, post};
 use axum::Json;
 use kvkit::kvblock::{BlockHash, BlockSize};
 use kvkit::kvroute::vllm::{decode_event_batch, IngestSummary, VllmError, VllmIngest};
-use kvkit::kvroute::{self, Policy, Role, Router, WorkerId};
+use kvkit::kvroute::{self, Policy, RequestId, Role, Router, Salt, WorkerId};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -375,6 +375,10 @@ struct RouteRequest {
     block_hashes: Option<Vec<u64>>,
     #[serde(default)]
     role: Option<String>,
+    /// The LoRA adapter the request runs on: its blocks are salted with the name, as the
+    /// engine's events are.
+    #[serde(default)]
+    lora_name: Option<String>,
 }
 
 async fn route(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
@@ -395,10 +399,17 @@ async fn route(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     };
     let mut inner = state.lock();
     let decision = match (&req.token_ids, &req.block_hashes) {
-        (Some(tokens), None) => inner.router.route_tokens(req.request_id, tokens, role),
+        (Some(tokens), None) => {
+            let salt = Salt::lora(req.lora_name.clone().unwrap_or_default());
+            inner
+                .router
+                .route_tokens_salted(RequestId::new(req.request_id), tokens, &salt, role)
+        }
         (None, Some(hashes)) => {
             let blocks: Vec<BlockHash> = hashes.iter().map(|&h| BlockHash::new(h)).collect();
-            inner.router.route(req.request_id, &blocks, role)
+            inner
+                .router
+                .route(RequestId::new(req.request_id), &blocks, role)
         }
         _ => {
             return json_error(
@@ -430,7 +441,7 @@ async fn finish(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> R
             format!("invalid request id {id:?}: expected a whole number"),
         );
     };
-    match state.lock().router.finish(request_id) {
+    match state.lock().router.finish(RequestId::new(request_id)) {
         Ok(()) => Json(json!({ "request_id": request_id })).into_response(),
         Err(e) => json_error(StatusCode::NOT_FOUND, e),
     }

@@ -3,8 +3,6 @@
 //! `crates/kvcache/tests/model/cache.rs` (the model the proptest uses): same answers, same error
 //! kinds, same events, same recency order, pins and counters; `check_invariants` after every step.
 
-use std::num::NonZeroUsize;
-
 use arbitrary::{Arbitrary, Unstructured};
 use kvblock::{BlockHash, BlockHasher, BlockSize};
 use kvcache::BlockCache;
@@ -78,7 +76,7 @@ fn op(f: &FuzzOp) -> Op {
 /// Runs one input; panics on the first disagreement with the model.
 pub fn check(input: &Input) {
     let cap = input.capacity.map(|c| usize::from(c % 12));
-    let mut real = BlockCache::new(cap.and_then(NonZeroUsize::new));
+    let mut real = BlockCache::new(cap.filter(|&c| c > 0));
     let mut model = Model::new(cap);
     let hasher = BlockHasher::new(BlockSize::new(1).expect("non-zero"));
     let probes: Vec<Vec<BlockHash>> = [

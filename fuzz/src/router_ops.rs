@@ -20,7 +20,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use arbitrary::{Arbitrary, Unstructured};
 use kvblock::{BlockHash, BlockHasher, BlockSize};
 use kvcache::{IndexSnapshot, KvEvent, WorkerId};
-use kvroute::{Decision, Error, Policy, Role, Router};
+use kvroute::{Decision, Error, Policy, RequestId, Role, Router};
 
 use crate::models::index as index_model;
 
@@ -305,7 +305,9 @@ fn route(
     if m.inflight.contains_key(&id) {
         assert_eq!(
             r,
-            Err(Error::DuplicateRequest { request_id: id }),
+            Err(Error::DuplicateRequest {
+                request_id: RequestId::new(id)
+            }),
             "route {id} twice"
         );
         return;
@@ -406,7 +408,7 @@ pub fn check(input: &Input) {
             FuzzOp::Route(id, b, r) => {
                 let (id, b, r) = (request(*id), blocks(b), role(*r));
                 route(&mut router, &mut m, id, b.clone(), r, |x| {
-                    x.route(id, &b, r)
+                    x.route(RequestId::new(id), &b, r)
                 });
             }
             FuzzOp::RouteTokens(id, t, r) => {
@@ -414,18 +416,20 @@ pub fn check(input: &Input) {
                 let tokens: Vec<u32> = t.iter().take(16).map(|&x| u32::from(x % 3)).collect();
                 let b = hasher.sequence_hashes(&tokens);
                 route(&mut router, &mut m, id, b, r, |x| {
-                    x.route_tokens(id, &tokens, r)
+                    x.route_tokens(RequestId::new(id), &tokens, r)
                 });
             }
             FuzzOp::Finish(id) => {
                 let id = request(*id);
-                let r = router.finish(id);
+                let r = router.finish(RequestId::new(id));
                 if m.inflight.remove(&id).is_some() {
                     assert_eq!(r, Ok(()), "finish {id}");
                 } else {
                     assert_eq!(
                         r,
-                        Err(Error::UnknownRequest { request_id: id }),
+                        Err(Error::UnknownRequest {
+                            request_id: RequestId::new(id)
+                        }),
                         "finish {id}"
                     );
                 }

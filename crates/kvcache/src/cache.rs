@@ -1,7 +1,5 @@
 //! One engine's block cache.
 
-use std::num::NonZeroUsize;
-
 use kvblock::BlockHash;
 
 use crate::hasher::Map;
@@ -57,12 +55,11 @@ pub struct CacheStats {
 ///   [`drain_events`](Self::drain_events).
 ///
 /// ```
-/// use std::num::NonZeroUsize;
 /// use kvblock::BlockHash;
 /// use kvcache::{BlockCache, KvEvent};
 ///
 /// let chain = |ids: &[u64]| ids.iter().map(|&i| BlockHash::new(i)).collect::<Vec<_>>();
-/// let mut cache = BlockCache::new(NonZeroUsize::new(3));
+/// let mut cache = BlockCache::new(Some(3));
 /// cache.insert(&chain(&[1, 2]))?;
 /// cache.insert(&chain(&[3]))?;
 /// assert_eq!(cache.match_len(&chain(&[1, 2, 9])), 2);
@@ -95,10 +92,11 @@ pub struct BlockCache {
 }
 
 impl BlockCache {
-    /// A cache of `capacity` blocks; `None` is unbounded (up to 2^32 - 2 blocks).
-    pub fn new(capacity: Option<NonZeroUsize>) -> Self {
+    /// A cache of `capacity` blocks; `None` is unbounded (up to 2^32 - 2 blocks), 0 holds
+    /// nothing (the same capacity as [`set_capacity`](Self::set_capacity) takes).
+    pub fn new(capacity: Option<usize>) -> Self {
         BlockCache {
-            capacity: capacity.map(NonZeroUsize::get),
+            capacity,
             map: Map::default(),
             slots: Vec::new(),
             free: Vec::new(),

@@ -9,14 +9,13 @@
 //!   the matched depth.
 //!
 //! ```
-//! use std::num::NonZeroUsize;
 //! use kvblock::{BlockHasher, BlockSize};
 //! use kvcache::{BlockCache, CacheIndex, WorkerId};
 //!
 //! let hasher = BlockHasher::new(BlockSize::new(4)?);
 //! let prompt = hasher.sequence_hashes(&(0..16).collect::<Vec<u32>>()); // 4 blocks
 //!
-//! let mut engine = BlockCache::new(NonZeroUsize::new(100));
+//! let mut engine = BlockCache::new(Some(100));
 //! engine.insert(&prompt[..3])?;
 //!
 //! let mut index = CacheIndex::new();

@@ -4,8 +4,6 @@
 //! The model and the step that compares it with the real index live in `model/index.rs`, shared
 //! with the fuzz targets `index_events` and `router_ops`.
 
-use std::num::NonZeroUsize;
-
 use kvblock::{BlockHash, BlockHasher, BlockSize};
 use kvcache::{BlockCache, CacheIndex, KvEvent, WorkerId};
 use proptest::prelude::*;
@@ -68,7 +66,7 @@ proptest! {
                        steps in prop::collection::vec((0usize..5, prop::collection::vec(0u32..3, 1..6), any::<bool>()), 1..60),
                        queries in prop::collection::vec(prop::collection::vec(0u32..3, 1..6), 4)) {
         let hasher = BlockHasher::new(BlockSize::new(1).expect("non-zero"));
-        let mut caches: Vec<BlockCache> = caps.iter().map(|&c| BlockCache::new(NonZeroUsize::new(c))).collect();
+        let mut caches: Vec<BlockCache> = caps.iter().map(|&c| BlockCache::new(Some(c).filter(|&c| c > 0))).collect();
         let mut ids = vec![0u64; caches.len()];
         let mut index = CacheIndex::new();
         let mut pinned: Vec<Option<Vec<BlockHash>>> = vec![None; caches.len()];

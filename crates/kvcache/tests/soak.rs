@@ -6,8 +6,6 @@
 #[path = "../../../benches/support/splitmix.rs"]
 mod splitmix;
 
-use std::num::NonZeroUsize;
-
 use kvblock::BlockHash;
 use kvcache::{BlockCache, CacheIndex, WorkerId};
 
@@ -27,7 +25,7 @@ fn rss_kib(field: &str) -> Option<u64> {
 fn ten_million_events_stay_flat() {
     let mut rng = splitmix::Rng(7);
     let mut caches: Vec<BlockCache> = (0..WORKERS)
-        .map(|_| BlockCache::new(NonZeroUsize::new(CAPACITY)))
+        .map(|_| BlockCache::new(Some(CAPACITY)))
         .collect();
     let mut ids = vec![0u64; WORKERS];
     let mut index = CacheIndex::new();

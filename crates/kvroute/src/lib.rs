@@ -12,9 +12,7 @@
 //! requests routed to `w` and not yet finished (a prefix shared by several counts once).
 //!
 //! ```
-//! use kvblock::{BlockHash, BlockSize};
-//! use kvcache::{KvEvent, WorkerId};
-//! use kvroute::{Policy, Role, Router};
+//! use kvroute::{BlockHash, BlockSize, KvEvent, Policy, RequestId, Role, Router, WorkerId};
 //!
 //! let mut router = Router::builder()
 //!     .block_size(BlockSize::new(16)?)
@@ -30,9 +28,9 @@
 //! let prompt: Vec<BlockHash> = (1..=10).map(BlockHash::new).collect();
 //! router.apply_event(w0, 0, &KvEvent::Stored { parent: None, blocks: prompt[..8].to_vec() })?;
 //!
-//! let d = router.route(42, &prompt, Role::Unified)?;
+//! let d = router.route(RequestId::new(42), &prompt, Role::Unified)?;
 //! assert_eq!((d.worker, d.cache_hits, d.cost), (w0, 8, 2.0));
-//! router.finish(42)?;
+//! router.finish(RequestId::new(42))?;
 //! assert_eq!(router.cache_view(w0), 8);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
@@ -63,8 +61,92 @@ pub mod vllm;
 use std::fmt;
 use std::str::FromStr;
 
-pub use kvcache::WorkerId;
+pub use kvblock::{BlockHash, BlockSize};
+pub use kvcache::{KvEvent, WorkerId};
 pub use router::{Candidate, Decision, Router, RouterBuilder};
+
+/// A request's identity while it is in flight: chosen by the caller, unique among the requests
+/// routed and not yet finished.
+///
+/// ```
+/// use kvroute::RequestId;
+/// let id = RequestId::new(7);
+/// assert_eq!((id.get(), id.to_string()), (7, "request 7".to_string()));
+/// assert_eq!(RequestId::from(7), id);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(u64);
+
+impl RequestId {
+    /// The id `raw`.
+    pub const fn new(raw: u64) -> Self {
+        RequestId(raw)
+    }
+
+    /// The raw value.
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+}
+
+impl From<u64> for RequestId {
+    fn from(raw: u64) -> Self {
+        RequestId(raw)
+    }
+}
+
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "request {}", self.0)
+    }
+}
+
+/// What salts a request's block hashes (see [`Router::route_tokens_salted`]): a LoRA adapter's
+/// name and a cache namespace, as `kvblock` defines them. An empty string means absent, so
+/// `Salt::default()` hashes like the base model.
+///
+/// ```
+/// let salt = kvroute::Salt::lora("my-lora").namespace("tenant-a");
+/// assert_eq!((salt.lora_name(), salt.namespace_name()), ("my-lora", "tenant-a"));
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+#[must_use]
+pub struct Salt {
+    lora_name: String,
+    namespace: String,
+}
+
+impl Salt {
+    /// The salt of a LoRA adapter's blocks.
+    pub fn lora(name: impl Into<String>) -> Self {
+        Salt {
+            lora_name: name.into(),
+            namespace: String::new(),
+        }
+    }
+
+    /// Adds a cache namespace.
+    pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
+        self.namespace = namespace.into();
+        self
+    }
+
+    /// The LoRA adapter's name (empty: none).
+    pub fn lora_name(&self) -> &str {
+        &self.lora_name
+    }
+
+    /// The cache namespace (empty: none).
+    pub fn namespace_name(&self) -> &str {
+        &self.namespace
+    }
+
+    pub(crate) fn apply(&self, hasher: kvblock::BlockHasher) -> kvblock::BlockHasher {
+        hasher
+            .with_lora_name(&self.lora_name)
+            .with_namespace(&self.namespace)
+    }
+}
 
 /// The routing cost of a worker: `overlap_weight * (request_blocks - cache_hits) + active_blocks`.
 ///
@@ -167,16 +249,16 @@ pub enum Error {
     #[error("no worker to route to: add a worker first")]
     NoWorkers,
     /// A request id that is already in flight.
-    #[error("request {request_id} is already in flight: finish it before routing the id again")]
+    #[error("{request_id} is already in flight: finish it before routing the id again")]
     DuplicateRequest {
         /// The id.
-        request_id: u64,
+        request_id: RequestId,
     },
     /// Finishing a request id that is not in flight (never routed, or already finished).
-    #[error("request {request_id} is not in flight (never routed, or already finished)")]
+    #[error("{request_id} is not in flight (never routed, or already finished)")]
     UnknownRequest {
         /// The id.
-        request_id: u64,
+        request_id: RequestId,
     },
     /// An event for a worker the router does not know.
     #[error("{worker} is not registered: add it before applying its events")]

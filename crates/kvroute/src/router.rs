@@ -7,7 +7,7 @@ use rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 
 use crate::ring::Ring;
-use crate::{cost, Error, Policy, Role};
+use crate::{cost, Error, Policy, RequestId, Role, Salt};
 
 type Map<K, V> = hashbrown::HashMap<K, V, FixedState>;
 
@@ -45,6 +45,7 @@ pub struct Candidate {
 /// Defaults: block size 16, `Kv` policy, overlap weight 1.0, no per-role weights, seed 0,
 /// `PrefixAware` over the first block with 128 virtual nodes per worker.
 #[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until `build` is called"]
 pub struct RouterBuilder {
     block_size: BlockSize,
     policy: Policy,
@@ -193,7 +194,7 @@ struct InFlight {
 ///
 /// ```
 /// use kvblock::BlockSize;
-/// use kvroute::{Policy, Role, Router, WorkerId};
+/// use kvroute::{Policy, RequestId, Role, Router, WorkerId};
 ///
 /// let mut router = Router::builder().block_size(BlockSize::new(4)?).policy(Policy::RoundRobin).build()?;
 /// for w in 0..3 {
@@ -201,7 +202,7 @@ struct InFlight {
 /// }
 /// let tokens: Vec<u32> = (0..12).collect();
 /// let picks: Vec<u64> = (0..4)
-///     .map(|id| router.route_tokens(id, &tokens, Role::Unified).map(|d| d.worker.get()))
+///     .map(|id| router.route_tokens(RequestId::new(id), &tokens, Role::Unified).map(|d| d.worker.get()))
 ///     .collect::<Result<_, _>>()?;
 /// assert_eq!(picks, [0, 1, 2, 0]);
 /// assert_eq!(router.active_blocks(WorkerId::new(0)), 3); // two requests, same 3 blocks
@@ -222,7 +223,7 @@ pub struct Router {
     spare: Vec<Vec<BlockHash>>,
     /// Dense indices of registered workers, in worker-id order.
     members: Vec<usize>,
-    requests: Map<u64, InFlight>,
+    requests: Map<RequestId, InFlight>,
     next_rr: usize,
     generation: u64,
     overlaps: Overlaps,
@@ -411,7 +412,7 @@ impl Router {
     /// the chosen worker until [`finish`](Self::finish).
     pub fn route(
         &mut self,
-        request_id: u64,
+        request_id: RequestId,
         blocks: &[BlockHash],
         role: Role,
     ) -> Result<Decision, Error> {
@@ -473,20 +474,64 @@ impl Router {
     /// Hashes `tokens` at the router's block size (a partial tail is ignored), then routes.
     pub fn route_tokens(
         &mut self,
-        request_id: u64,
+        request_id: RequestId,
+        tokens: &[u32],
+        role: Role,
+    ) -> Result<Decision, Error> {
+        let hasher = self.hasher;
+        self.route_hashed(&hasher, request_id, tokens, role)
+    }
+
+    /// [`route_tokens`](Self::route_tokens) with a salted hash: a LoRA adapter's blocks (or a
+    /// cache namespace's) are other blocks than the base model's, exactly as the engine and
+    /// [`vllm`](crate#features) ingestion hash them, so only requests for the same adapter hit.
+    ///
+    /// ```
+    /// use kvblock::{BlockHasher, BlockSize};
+    /// use kvroute::{KvEvent, RequestId, Role, Router, Salt, WorkerId};
+    ///
+    /// let bs = BlockSize::new(4)?;
+    /// let mut router = Router::builder().block_size(bs).build()?;
+    /// let w = WorkerId::new(0);
+    /// router.add_worker(w);
+    /// let tokens: Vec<u32> = (0..8).collect();
+    /// // The engine stored these tokens for the adapter "my-lora".
+    /// let blocks = BlockHasher::new(bs).with_lora_name("my-lora").sequence_hashes(&tokens);
+    /// router.apply_event(w, 0, &KvEvent::Stored { parent: None, blocks })?;
+    ///
+    /// let base = router.route_tokens(RequestId::new(1), &tokens, Role::Unified)?;
+    /// let lora = router.route_tokens_salted(RequestId::new(2), &tokens, &Salt::lora("my-lora"), Role::Unified)?;
+    /// assert_eq!((base.cache_hits, lora.cache_hits), (0, 2));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn route_tokens_salted(
+        &mut self,
+        request_id: RequestId,
+        tokens: &[u32],
+        salt: &Salt,
+        role: Role,
+    ) -> Result<Decision, Error> {
+        let hasher = salt.apply(BlockHasher::new(self.config.block_size));
+        self.route_hashed(&hasher, request_id, tokens, role)
+    }
+
+    fn route_hashed(
+        &mut self,
+        hasher: &BlockHasher,
+        request_id: RequestId,
         tokens: &[u32],
         role: Role,
     ) -> Result<Decision, Error> {
         let mut blocks = std::mem::take(&mut self.scratch);
         blocks.clear();
-        self.hasher.sequence_hashes_into(None, tokens, &mut blocks);
+        hasher.sequence_hashes_into(None, tokens, &mut blocks);
         let d = self.route(request_id, &blocks, role);
         self.scratch = blocks;
         d
     }
 
     /// Marks a request finished, releasing its in-flight blocks.
-    pub fn finish(&mut self, request_id: u64) -> Result<(), Error> {
+    pub fn finish(&mut self, request_id: RequestId) -> Result<(), Error> {
         let mut req = self
             .requests
             .remove(&request_id)

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use kvblock::{BlockHash, BlockSize};
 use kvcache::{CacheIndex, KvEvent, WorkerId};
-use kvroute::{cost, Error, Policy, Role, Router};
+use kvroute::{cost, Error, Policy, RequestId, Role, Router};
 use proptest::prelude::*;
 
 fn b(i: u64) -> BlockHash {
@@ -57,8 +57,18 @@ fn worked_example_w0_wins_with_cost_8() {
         },
     )
     .unwrap();
-    assert_eq!(r.route(1, &chain(1..=6), Role::Unified).unwrap().worker, W0);
-    assert_eq!(r.route(2, &[b(100)], Role::Unified).unwrap().worker, W1);
+    assert_eq!(
+        r.route(RequestId::new(1), &chain(1..=6), Role::Unified)
+            .unwrap()
+            .worker,
+        W0
+    );
+    assert_eq!(
+        r.route(RequestId::new(2), &[b(100)], Role::Unified)
+            .unwrap()
+            .worker,
+        W1
+    );
     assert_eq!((r.active_blocks(W0), r.active_blocks(W1)), (6, 1));
 
     let prompt = chain(1..=10);
@@ -68,7 +78,7 @@ fn worked_example_w0_wins_with_cost_8() {
         .map(|c| (c.worker.get(), c.cache_hits, c.active_blocks, c.cost))
         .collect();
     assert_eq!(costs, vec![(0, 8, 6, 8.0), (1, 0, 1, 11.0)]);
-    let d = r.route(3, &prompt, Role::Unified).unwrap();
+    let d = r.route(RequestId::new(3), &prompt, Role::Unified).unwrap();
     assert_eq!(
         (d.worker, d.cache_hits, d.cost, d.request_blocks),
         (W0, 8, 8.0, 10)
@@ -80,7 +90,10 @@ fn weight_zero_is_pure_load_and_large_weight_pure_locality() {
     for weight in [0.0, 1000.0] {
         let mut r = router(Policy::Kv, weight, 2);
         // 41 blocks of unrelated load land on one worker; then that worker caches the prompt.
-        let busy = r.route(1, &chain(500..=540), Role::Unified).unwrap().worker;
+        let busy = r
+            .route(RequestId::new(1), &chain(500..=540), Role::Unified)
+            .unwrap()
+            .worker;
         let idle = if busy == W0 { W1 } else { W0 };
         r.apply_event(
             busy,
@@ -91,7 +104,9 @@ fn weight_zero_is_pure_load_and_large_weight_pure_locality() {
             },
         )
         .unwrap();
-        let d = r.route(2, &chain(1..=8), Role::Unified).unwrap();
+        let d = r
+            .route(RequestId::new(2), &chain(1..=8), Role::Unified)
+            .unwrap();
         if weight == 0.0 {
             assert_eq!(
                 d.worker, idle,
@@ -134,46 +149,68 @@ fn per_role_weights_override_the_global_one() {
         },
     )
     .unwrap();
-    r.route(1, &chain(200..=230), Role::Unified).unwrap(); // 31 blocks of load somewhere
+    r.route(RequestId::new(1), &chain(200..=230), Role::Unified)
+        .unwrap(); // 31 blocks of load somewhere
     let busy = if r.active_blocks(W0) > 0 { W0 } else { W1 };
     let idle = if busy == W0 { W1 } else { W0 };
     // Decode weight 0 follows load; prefill weight 20 follows the 4-block hit only if W0 is the
     // idle one or the hit outweighs 31 blocks of load (20 * 4 = 80 > 31).
     assert_eq!(
-        r.route(2, &chain(1..=4), Role::Decode).unwrap().worker,
+        r.route(RequestId::new(2), &chain(1..=4), Role::Decode)
+            .unwrap()
+            .worker,
         idle
     );
-    r.finish(2).unwrap();
-    assert_eq!(r.route(3, &chain(1..=4), Role::Prefill).unwrap().worker, W0);
+    r.finish(RequestId::new(2)).unwrap();
+    assert_eq!(
+        r.route(RequestId::new(3), &chain(1..=4), Role::Prefill)
+            .unwrap()
+            .worker,
+        W0
+    );
 }
 
 #[test]
 fn load_is_reference_counted_distinct_blocks() {
     let mut r = router(Policy::RoundRobin, 1.0, 1);
-    r.route(1, &chain(1..=10), Role::Unified).unwrap();
-    r.route(2, &chain(1..=12), Role::Unified).unwrap();
+    r.route(RequestId::new(1), &chain(1..=10), Role::Unified)
+        .unwrap();
+    r.route(RequestId::new(2), &chain(1..=12), Role::Unified)
+        .unwrap();
     assert_eq!(r.active_blocks(W0), 12);
     assert_eq!(r.in_flight(W0), 2);
-    r.finish(1).unwrap();
+    r.finish(RequestId::new(1)).unwrap();
     assert_eq!(r.active_blocks(W0), 12);
-    r.finish(2).unwrap();
+    r.finish(RequestId::new(2)).unwrap();
     assert_eq!(r.active_blocks(W0), 0);
-    assert_eq!(r.finish(2), Err(Error::UnknownRequest { request_id: 2 }));
-    assert_eq!(r.finish(99), Err(Error::UnknownRequest { request_id: 99 }));
+    assert_eq!(
+        r.finish(RequestId::new(2)),
+        Err(Error::UnknownRequest {
+            request_id: RequestId::new(2)
+        })
+    );
+    assert_eq!(
+        r.finish(RequestId::new(99)),
+        Err(Error::UnknownRequest {
+            request_id: RequestId::new(99)
+        })
+    );
 }
 
 #[test]
 fn misuse_is_an_error_value() {
     let mut empty = router(Policy::Kv, 1.0, 0);
     assert_eq!(
-        empty.route(1, &chain(1..=2), Role::Unified),
+        empty.route(RequestId::new(1), &chain(1..=2), Role::Unified),
         Err(Error::NoWorkers)
     );
     let mut r = router(Policy::Kv, 1.0, 1);
-    r.route(1, &[], Role::Unified).unwrap();
+    r.route(RequestId::new(1), &[], Role::Unified).unwrap();
     assert_eq!(
-        r.route(1, &[], Role::Unified),
-        Err(Error::DuplicateRequest { request_id: 1 })
+        r.route(RequestId::new(1), &[], Role::Unified),
+        Err(Error::DuplicateRequest {
+            request_id: RequestId::new(1)
+        })
     );
     assert_eq!(
         r.apply_event(WorkerId::new(5), 0, &KvEvent::Cleared),
@@ -213,19 +250,22 @@ fn removing_a_worker_drops_it_everywhere() {
         },
     )
     .unwrap();
-    r.route(1, &chain(1..=8), Role::Unified).unwrap();
+    r.route(RequestId::new(1), &chain(1..=8), Role::Unified)
+        .unwrap();
     assert!(r.remove_worker(W0));
     assert!(!r.remove_worker(W0));
     assert_eq!(r.cache_view(W0), 0);
     assert_eq!(r.workers(), vec![W1]);
     for id in 2..10 {
         assert_eq!(
-            r.route(id, &chain(1..=8), Role::Unified).unwrap().worker,
+            r.route(RequestId::new(id), &chain(1..=8), Role::Unified)
+                .unwrap()
+                .worker,
             W1
         );
     }
     // The removed worker's request can still be finished; re-adding starts clean.
-    r.finish(1).unwrap();
+    r.finish(RequestId::new(1)).unwrap();
     assert!(r.add_worker(W0));
     assert_eq!(r.active_blocks(W0), 0);
     assert!(r.apply_event(W0, 0, &KvEvent::Cleared).is_ok());
@@ -237,11 +277,15 @@ fn prefix_aware_sends_a_prefix_home_and_spreads_prefixes() {
     let mut homes = BTreeSet::new();
     for p in 0..64u64 {
         let first = r
-            .route(p * 10, &[b(p), b(1000 + p)], Role::Unified)
+            .route(RequestId::new(p * 10), &[b(p), b(1000 + p)], Role::Unified)
             .unwrap()
             .worker;
         let again = r
-            .route(p * 10 + 1, &[b(p), b(2000 + p)], Role::Unified)
+            .route(
+                RequestId::new(p * 10 + 1),
+                &[b(p), b(2000 + p)],
+                Role::Unified,
+            )
             .unwrap()
             .worker;
         assert_eq!(first, again, "same first block, same home");
@@ -261,7 +305,11 @@ fn random_and_round_robin_spread_evenly() {
         let mut counts = BTreeMap::new();
         for id in 0..4000 {
             *counts
-                .entry(r.route(id, &[b(1)], Role::Unified).unwrap().worker)
+                .entry(
+                    r.route(RequestId::new(id), &[b(1)], Role::Unified)
+                        .unwrap()
+                        .worker,
+                )
                 .or_insert(0) += 1;
         }
         for (w, c) in counts {
@@ -285,8 +333,12 @@ fn same_seed_same_decisions() {
         // Weight 0 and equal load: every decision is a tie broken by the seeded generator.
         (0..200u64)
             .map(|id| {
-                let d = r.route(id, &[], Role::Unified).unwrap().worker.get();
-                r.finish(id).unwrap();
+                let d = r
+                    .route(RequestId::new(id), &[], Role::Unified)
+                    .unwrap()
+                    .worker
+                    .get();
+                r.finish(RequestId::new(id)).unwrap();
                 d
             })
             .collect::<Vec<_>>()
@@ -309,7 +361,9 @@ fn route_tokens_hashes_at_the_router_block_size() {
         },
     )
     .unwrap();
-    let d = r.route_tokens(1, &tokens, Role::Prefill).unwrap();
+    let d = r
+        .route_tokens(RequestId::new(1), &tokens, Role::Prefill)
+        .unwrap();
     assert_eq!((d.worker, d.cache_hits, d.request_blocks), (W1, 2, 2));
 }
 
@@ -355,9 +409,9 @@ fn shared_router_across_threads() {
                     shared
                         .lock()
                         .unwrap()
-                        .route(id, &blocks, Role::Unified)
+                        .route(RequestId::new(id), &blocks, Role::Unified)
                         .unwrap();
-                    shared.lock().unwrap().finish(id).unwrap();
+                    shared.lock().unwrap().finish(RequestId::new(id)).unwrap();
                     finished += 1;
                 }
                 finished
@@ -407,11 +461,11 @@ proptest! {
                 Op::Route(id, blocks) => {
                     let id = u64::from(id);
                     let blocks: Vec<BlockHash> = blocks.iter().map(|&x| b(u64::from(x))).collect();
-                    let res = r.route(id, &blocks, Role::Unified);
+                    let res = r.route(RequestId::new(id), &blocks, Role::Unified);
                     if workers.is_empty() {
                         prop_assert_eq!(res, Err(Error::NoWorkers));
                     } else if inflight.contains_key(&id) {
-                        prop_assert_eq!(res, Err(Error::DuplicateRequest { request_id: id }));
+                        prop_assert_eq!(res, Err(Error::DuplicateRequest { request_id: RequestId::new(id) }));
                     } else {
                         let d = res.expect("routable");
                         prop_assert!(workers.contains(&d.worker.get()));
@@ -420,7 +474,7 @@ proptest! {
                 }
                 Op::Finish(id) => {
                     let id = u64::from(id);
-                    prop_assert_eq!(r.finish(id).is_ok(), inflight.remove(&id).is_some());
+                    prop_assert_eq!(r.finish(RequestId::new(id)).is_ok(), inflight.remove(&id).is_some());
                 }
                 Op::AddWorker(w) => {
                     prop_assert_eq!(r.add_worker(WorkerId::new(w.into())), workers.insert(w.into()));
@@ -498,7 +552,9 @@ fn a_restored_router_starts_warm_and_continues_the_event_ids() {
             )
             .collect::<Vec<_>>()
     );
-    let d = fresh.route(1, &chain(1..=10), Role::Unified).unwrap();
+    let d = fresh
+        .route(RequestId::new(1), &chain(1..=10), Role::Unified)
+        .unwrap();
     assert_eq!((d.worker, d.cache_hits), (W0, 8));
     // Event ids continue where the snapshot left them.
     assert!(fresh.apply_event(W1, 1, &KvEvent::Cleared).is_err());

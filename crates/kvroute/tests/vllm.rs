@@ -8,7 +8,7 @@ use kvroute::vllm::{
     decode_event_batch, BlockRemoved, BlockStored, EngineEvent, EngineHash, EventBatch,
     IngestSummary, VllmError, VllmIngest,
 };
-use kvroute::{Error, Role, Router, WorkerId};
+use kvroute::{Error, RequestId, Role, Router, WorkerId};
 use proptest::prelude::*;
 
 macro_rules! fx {
@@ -59,9 +59,9 @@ fn frames(seq: u64, payload: &[u8]) -> Vec<Vec<u8>> {
 /// Routes `tokens` under a fresh request id, finishes it, and returns (worker, hits).
 fn probe(router: &mut Router, tokens: &[u32]) -> (WorkerId, usize) {
     let d = router
-        .route_tokens(u64::MAX, tokens, Role::Unified)
+        .route_tokens(RequestId::new(u64::MAX), tokens, Role::Unified)
         .unwrap();
-    router.finish(u64::MAX).unwrap();
+    router.finish(RequestId::new(u64::MAX)).unwrap();
     (d.worker, d.cache_hits)
 }
 
@@ -253,7 +253,9 @@ fn lora_name_salts_our_hashes() {
     assert_eq!(ingest.our_hash(W0, &EngineHash::Int(2001)), Some(ours));
     // An unsalted prompt does not match it; a salted one does.
     assert_eq!(probe(&mut router, &toks(0, 16)).1, 0);
-    let d = router.route(7, &[ours], Role::Unified).unwrap();
+    let d = router
+        .route(RequestId::new(7), &[ours], Role::Unified)
+        .unwrap();
     assert_eq!((d.worker, d.cache_hits), (W0, 1));
 }
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use kvblock::{BlockHash, BlockSize};
 use kvcache::{BlockCache, KvEvent, WorkerId};
-use kvroute::{Role, Router};
+use kvroute::{RequestId, Role, Router};
 
 use crate::config::SimConfig;
 use crate::report::{Collected, Report};
@@ -257,7 +257,7 @@ impl Routers {
     fn route(&mut self, id: usize, blocks: &[BlockHash]) -> Result<(usize, usize), kvroute::Error> {
         let r = self.next;
         self.next = (self.next + 1) % self.replicas.len();
-        let d = self.replicas[r].route(id as u64, blocks, self.role)?;
+        let d = self.replicas[r].route(RequestId::new(id as u64), blocks, self.role)?;
         Ok((r, d.worker.get() as usize))
     }
 }
@@ -430,8 +430,10 @@ impl<'a> Run<'a> {
     fn release_router(&mut self, r: usize, side: Pool) {
         let req = &self.reqs[r];
         let done = match (side, &mut self.decode_routers) {
-            (Pool::Decode, Some(d)) => d.replicas[req.decode_router].finish(r as u64),
-            _ => self.routers.replicas[req.router].finish(r as u64),
+            (Pool::Decode, Some(d)) => {
+                d.replicas[req.decode_router].finish(RequestId::new(r as u64))
+            }
+            _ => self.routers.replicas[req.router].finish(RequestId::new(r as u64)),
         };
         if done.is_err() {
             self.router_errors += 1;
