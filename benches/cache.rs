@@ -1,20 +1,18 @@
 //! The hot paths of kvcache: an engine's `match_len` and `insert` (with eviction), a router's
 //! `overlaps` query over many workers, and the rate at which a router ingests KV events.
 //!
-//! Block hashes are mixed integers (splitmix64), deterministic from run to run. Every bench reports
-//! its throughput in blocks.
+//! Block hashes are mixed integers (`kvtest::splitmix`), deterministic from run to run. Every
+//! bench reports its throughput in blocks.
 
 // `criterion_group!` defines an undocumented `pub fn`; the workspace denies `missing_docs`.
 #![allow(missing_docs)]
-
-#[path = "support/splitmix.rs"]
-mod splitmix;
 
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion, Throughput};
 use kvkit::kvblock::BlockHash;
 use kvkit::kvcache::{BlockCache, CacheIndex, KvEvent, Overlaps, WorkerId};
+use kvtest::splitmix;
 
 /// Block `i` of chain `chain` in namespace `tag`: distinct for distinct triples (`chain` < 2^32,
 /// `i` < 2^24, `tag` < 2^8).

@@ -10,9 +10,6 @@
 // criterion_group! generates an undocumented public function.
 #![allow(missing_docs)]
 
-#[path = "support/splitmix.rs"]
-mod splitmix;
-
 use std::hint::black_box;
 
 use std::time::{Duration, Instant};
@@ -21,6 +18,7 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use kvkit::kvblock::{BlockHash, BlockHasher, BlockSize};
 use kvkit::kvcache::{KvEvent, WorkerId};
 use kvkit::kvroute::{Policy, RequestId, Role, Router};
+use kvtest::splitmix;
 
 const BLOCK_SIZE: usize = 16;
 const PREFIX_BLOCKS: usize = 32;
@@ -35,7 +33,7 @@ const QUERIES: usize = 256;
 /// `n` deterministic pseudo-random token ids named by `tag`.
 fn tokens(tag: u64, n: usize) -> Vec<u32> {
     let mut rng = splitmix::Rng(tag.wrapping_mul(0xD1B5_4A32_D192_ED03));
-    (0..n).map(|_| (rng.next() % 100_000) as u32).collect()
+    (0..n).map(|_| (rng.next_u64() % 100_000) as u32).collect()
 }
 
 /// The shared prefixes, as tokens and as block hashes.

@@ -17,9 +17,6 @@
 //! Prompts are deterministic; which worker serves which request depends a little on how the
 //! threads interleave, so the counts can vary slightly from run to run.
 
-#[path = "../benches/support/splitmix.rs"]
-mod splitmix;
-
 use std::error::Error;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -28,6 +25,7 @@ use std::thread;
 use kvkit::kvblock::{BlockHash, BlockHasher, BlockSize};
 use kvkit::kvcache::{BlockCache, KvEvent, WorkerId};
 use kvkit::kvroute::{Policy, RequestId, Role, Router};
+use kvtest::splitmix;
 
 const WORKERS: u64 = 4;
 /// Blocks each engine can hold: enough for the hot prefixes, not for every question.
@@ -86,7 +84,7 @@ fn lock(router: &Mutex<Router>) -> MutexGuard<'_, Router> {
 /// `n` stand-in token ids named by `tag` (a tokenizer's output in a real router).
 fn tokens(tag: u64, n: usize) -> Vec<u32> {
     let mut rng = splitmix::Rng(tag);
-    (0..n).map(|_| (rng.next() % 50_000) as u32).collect()
+    (0..n).map(|_| (rng.next_u64() % 50_000) as u32).collect()
 }
 
 /// An engine: serves jobs until every request thread is done, publishing its cache's events.
@@ -158,7 +156,7 @@ fn requests(
         let question_tokens = (2 + rng.below(4) as usize) * BLOCK_SIZE + rng.below(8) as usize;
         let mut prompt = tokens(system, SYSTEM_BLOCKS * BLOCK_SIZE);
         prompt.extend(tokens(100 + system * 10 + doc, DOC_BLOCKS * BLOCK_SIZE));
-        prompt.extend(tokens(rng.next(), question_tokens));
+        prompt.extend(tokens(rng.next_u64(), question_tokens));
         // Full blocks only: the partial tail is not cacheable.
         let blocks = hasher.sequence_hashes(&prompt);
 

@@ -6,13 +6,11 @@
 //! prints the pairs, the distinct blocks, the peak resident set size and the bytes per pair.
 //! Resident set sizes come from `/proc/self/status` (Linux); elsewhere they print "unavailable".
 
-#[path = "../benches/support/splitmix.rs"]
-mod splitmix;
-
 use std::time::Instant;
 
 use kvkit::kvblock::BlockHash;
 use kvkit::kvcache::{CacheIndex, KvEvent, WorkerId};
+use kvtest::splitmix;
 
 const WORKERS: u64 = 1_024;
 const TARGET_PAIRS: u64 = 10_000_000;

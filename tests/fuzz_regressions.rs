@@ -1,8 +1,8 @@
 //! Replays the fuzz targets' checked-in inputs under plain `cargo test`.
 //!
 //! The fuzz package (`fuzz/`) is outside the workspace and needs cargo-fuzz and libFuzzer to run;
-//! its target bodies are plain files (`fuzz/src/<target>.rs`, each with `run(&[u8])`, decoding
-//! bytes exactly as `fuzz_target!` does), included here with `#[path]`. Every file of
+//! its targets only wrap the bodies of `kvtest::fuzz::<target>` (each with `run(&[u8])`, decoding
+//! bytes exactly as `fuzz_target!` does), which this test calls directly. Every file of
 //! `fuzz/regressions/<target>/` (minimized crash inputs, kept after the fix) and of
 //! `fuzz/seeds/<target>/` goes through its target's body, then 200 pseudo-random byte strings
 //! from a fixed seed, so the test never runs empty.
@@ -10,22 +10,10 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 
-#[path = "../fuzz/src/models.rs"]
-mod models;
-
-#[path = "../fuzz/src/block_cache_ops.rs"]
-mod block_cache_ops;
-#[path = "../fuzz/src/hash_incremental.rs"]
-mod hash_incremental;
-#[path = "../fuzz/src/index_events.rs"]
-mod index_events;
-#[path = "../fuzz/src/router_ops.rs"]
-mod router_ops;
-#[path = "../fuzz/src/trace_line.rs"]
-mod trace_line;
-
-#[path = "../benches/support/splitmix.rs"]
-mod splitmix;
+use kvtest::fuzz::{
+    block_cache_ops, hash_incremental, index_events, router_ops, trace_line, vllm_decode,
+};
+use kvtest::splitmix;
 
 fn files(dir: &Path) -> Vec<std::path::PathBuf> {
     let Ok(entries) = std::fs::read_dir(dir) else {
@@ -56,12 +44,12 @@ fn replay(target: &str, run: fn(&[u8])) {
     }
     let mut rng = splitmix::Rng(0x6b76_6b69_7400 ^ target.len() as u64);
     for k in 0..200 {
-        let len = (rng.next() % 600) as usize;
+        let len = (rng.next_u64() % 600) as usize;
         // Half uniform bytes; half small, mostly odd ones, which `arbitrary` decodes as longer
         // operation lists ("keep going" flags are the low bit) with short collections.
         let bytes = (0..len)
             .map(|_| {
-                let r = rng.next();
+                let r = rng.next_u64();
                 match (k % 2, r % 4) {
                     (0, _) => r as u8,
                     (_, 0) => (r >> 8) as u8 % 32,
@@ -109,4 +97,9 @@ fn trace_line_regressions() {
 #[test]
 fn hash_incremental_regressions() {
     replay("hash_incremental", hash_incremental::run);
+}
+
+#[test]
+fn vllm_decode_regressions() {
+    replay("vllm_decode", vllm_decode::run);
 }

@@ -1,7 +1,6 @@
-//! See `fuzz/src/block_cache_ops.rs`.
+//! See `kvtest::fuzz::block_cache_ops` (crates/kvtest/src/fuzz/block_cache_ops.rs).
 #![no_main]
 
-use kvkit_fuzz::block_cache_ops::{check, Input};
-use libfuzzer_sys::fuzz_target;
-
-fuzz_target!(|input: Input| check(&input));
+libfuzzer_sys::fuzz_target!(|input: kvtest::fuzz::block_cache_ops::Input| {
+    kvtest::fuzz::block_cache_ops::check(&input)
+});

@@ -1,7 +1,6 @@
-//! See `fuzz/src/hash_incremental.rs`.
+//! See `kvtest::fuzz::hash_incremental` (crates/kvtest/src/fuzz/hash_incremental.rs).
 #![no_main]
 
-use kvkit_fuzz::hash_incremental::{check, Input};
-use libfuzzer_sys::fuzz_target;
-
-fuzz_target!(|input: Input| check(&input));
+libfuzzer_sys::fuzz_target!(|input: kvtest::fuzz::hash_incremental::Input| {
+    kvtest::fuzz::hash_incremental::check(&input)
+});

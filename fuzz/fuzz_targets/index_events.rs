@@ -1,7 +1,6 @@
-//! See `fuzz/src/index_events.rs`.
+//! See `kvtest::fuzz::index_events` (crates/kvtest/src/fuzz/index_events.rs).
 #![no_main]
 
-use kvkit_fuzz::index_events::{check, Input};
-use libfuzzer_sys::fuzz_target;
-
-fuzz_target!(|input: Input| check(&input));
+libfuzzer_sys::fuzz_target!(|input: kvtest::fuzz::index_events::Input| {
+    kvtest::fuzz::index_events::check(&input)
+});

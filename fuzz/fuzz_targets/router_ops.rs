@@ -1,7 +1,6 @@
-//! See `fuzz/src/router_ops.rs`.
+//! See `kvtest::fuzz::router_ops` (crates/kvtest/src/fuzz/router_ops.rs).
 #![no_main]
 
-use kvkit_fuzz::router_ops::{check, Input};
-use libfuzzer_sys::fuzz_target;
-
-fuzz_target!(|input: Input| check(&input));
+libfuzzer_sys::fuzz_target!(|input: kvtest::fuzz::router_ops::Input| {
+    kvtest::fuzz::router_ops::check(&input)
+});

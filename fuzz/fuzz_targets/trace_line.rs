@@ -1,6 +1,4 @@
-//! See `fuzz/src/trace_line.rs`.
+//! See `kvtest::fuzz::trace_line` (crates/kvtest/src/fuzz/trace_line.rs).
 #![no_main]
 
-use libfuzzer_sys::fuzz_target;
-
-fuzz_target!(|data: &[u8]| kvkit_fuzz::trace_line::run(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| kvtest::fuzz::trace_line::run(data));

@@ -1,39 +1,14 @@
 //! `BlockCache` against a naive model: same operations, same answers, same events, same
 //! recency order; invariants checked after every step.
 //!
-//! The model and the step that compares it with the real cache live in `model/cache.rs`, shared
-//! with the fuzz target `block_cache_ops`.
+//! The model, its `Op`, the strategy and the step that compares it with the real cache live in
+//! `kvtest::cache`, shared with the fuzz target `block_cache_ops`. The same cache against
+//! `lru::LruCache` is `tests/cache_lru.rs`.
 
-use kvblock::{BlockHash, BlockHasher, BlockSize};
+use kvblock::BlockHash;
 use kvcache::{BlockCache, Error};
+use kvtest::cache::{self as model, strategy::op, Model};
 use proptest::prelude::*;
-
-#[allow(dead_code)]
-#[path = "model/cache.rs"]
-mod model;
-
-use model::{Model, Op};
-
-/// Real chained hashes of short token strings over a 3-letter alphabet at block size 1, so
-/// prompts share prefixes often; now and then arbitrary ids, which may contradict the chains.
-fn chain() -> impl Strategy<Value = Vec<BlockHash>> {
-    let hasher = BlockHasher::new(BlockSize::new(1).expect("non-zero"));
-    prop_oneof![
-        8 => prop::collection::vec(0u32..3, 0..7).prop_map(move |t| hasher.sequence_hashes(&t)),
-        1 => prop::collection::vec(0u64..6, 0..4).prop_map(|v| v.into_iter().map(BlockHash::new).collect()),
-    ]
-}
-
-fn op() -> impl Strategy<Value = Op> {
-    prop_oneof![
-        6 => chain().prop_map(Op::Insert),
-        2 => chain().prop_map(Op::Lookup),
-        3 => (chain(), 0usize..3).prop_map(|(c, k)| Op::Pin(c[k.min(c.len())..].to_vec())),
-        3 => (chain(), 0usize..3).prop_map(|(c, k)| Op::Unpin(c[k.min(c.len())..].to_vec())),
-        1 => prop::option::weighted(0.8, 0usize..12).prop_map(Op::Capacity),
-        1 => Just(Op::Clear),
-    ]
-}
 
 /// The model treats a capacity of 0 as unbounded.
 fn nz(c: Option<usize>) -> Option<usize> {
@@ -48,11 +23,7 @@ proptest! {
                                  ops in prop::collection::vec(op(), 1..80)) {
         let mut real = BlockCache::new(nz(cap));
         let mut model = Model::new(cap);
-        let probe = BlockHasher::new(BlockSize::new(1).expect("non-zero"));
-        let probes: Vec<Vec<BlockHash>> = [[0u32, 1, 2, 0, 1, 2], [1, 1, 1, 1, 1, 1], [2, 0, 2, 0, 2, 0]]
-            .iter()
-            .map(|t| probe.sequence_hashes(t))
-            .collect();
+        let probes = model::strategy::probes();
         for op in &ops {
             if let Err(e) = model::step(&mut real, &mut model, op, &probes) {
                 return Err(TestCaseError::fail(e));

@@ -1,42 +1,13 @@
 //! `CacheIndex` against a naive model (a set per worker), and the mirror property: caches under
 //! eviction pressure, their events applied to one index, always agree.
 //!
-//! The model and the step that compares it with the real index live in `model/index.rs`, shared
-//! with the fuzz targets `index_events` and `router_ops`.
+//! The model, its `Op`, the strategy and the step that compares it with the real index live in
+//! `kvtest::index`, shared with the fuzz target `index_events` and the router model.
 
 use kvblock::{BlockHash, BlockHasher, BlockSize};
 use kvcache::{BlockCache, CacheIndex, KvEvent, WorkerId};
+use kvtest::index::{self as model, strategy::op, Model};
 use proptest::prelude::*;
-
-#[allow(dead_code)]
-#[path = "model/index.rs"]
-mod model;
-
-use model::{Model, Op};
-
-fn blocks() -> impl Strategy<Value = Vec<BlockHash>> {
-    prop::collection::vec((0u64..12).prop_map(BlockHash::new), 0..6)
-}
-
-fn op() -> impl Strategy<Value = Op> {
-    // Worker ids spread over two bitset words (0..3 and 64..67) and a far one.
-    let worker = prop_oneof![0u64..3, 64u64..67, Just(200u64)];
-    let event = prop_oneof![
-        4 => (prop::option::weighted(0.5, (0u64..12).prop_map(BlockHash::new)), blocks())
-            .prop_map(|(parent, blocks)| KvEvent::Stored { parent, blocks }),
-        2 => blocks().prop_map(|blocks| KvEvent::Removed { blocks }),
-        1 => Just(KvEvent::Cleared),
-    ];
-    prop_oneof![
-        8 => (worker.clone(), prop_oneof![8 => Just(0i8), 1 => -2i8..0, 1 => 1i8..3], event)
-            .prop_map(|(worker, id_delta, event)| Op::Apply { worker, id_delta, event }),
-        1 => worker.clone().prop_map(Op::Remove),
-        1 => worker.clone().prop_map(Op::Clear),
-        1 => worker.prop_map(Op::Add),
-        3 => blocks().prop_map(Op::Query),
-        1 => Just(Op::Restore),
-    ]
-}
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]

@@ -3,11 +3,9 @@
 //!
 //! `cargo test --release -p kvcache --test soak -- --ignored --nocapture`
 
-#[path = "../../../benches/support/splitmix.rs"]
-mod splitmix;
-
 use kvblock::BlockHash;
 use kvcache::{BlockCache, CacheIndex, WorkerId};
+use kvtest::splitmix;
 
 const WORKERS: usize = 256;
 const CAPACITY: usize = 2_000;
@@ -33,19 +31,19 @@ fn ten_million_events_stay_flat() {
     let mut samples: Vec<(u64, usize, Option<u64>)> = Vec::new();
     let mut chain = Vec::with_capacity(64);
     while events < EVENTS {
-        let w = (rng.next() % WORKERS as u64) as usize;
+        let w = (rng.next_u64() % WORKERS as u64) as usize;
         // A prompt: one of 64 shared system prompts (16 blocks), then a few history blocks drawn
         // from a small per-prefix space (reused now and then), then a unique tail.
-        let prefix = rng.next() % 64;
+        let prefix = rng.next_u64() % 64;
         chain.clear();
         chain.extend((0..16).map(|i| BlockHash::new((prefix << 40) | i)));
-        let history = rng.next() % 512;
+        let history = rng.next_u64() % 512;
         chain.extend(
             (0..4).map(|i| BlockHash::new((1 << 62) | (prefix << 40) | (history << 8) | i)),
         );
-        let unique = rng.next() | (1 << 63);
+        let unique = rng.next_u64() | (1 << 63);
         chain.extend(
-            (0..(rng.next() % 12)).map(|i| BlockHash::new(unique.wrapping_add(i) | (1 << 63))),
+            (0..(rng.next_u64() % 12)).map(|i| BlockHash::new(unique.wrapping_add(i) | (1 << 63))),
         );
         caches[w].insert(&chain).expect("nothing is pinned");
         for ev in caches[w].drain_events() {

@@ -1,5 +1,6 @@
-//! The router's contract: the cost function and its worked example, load tracking against a
-//! model, policies, determinism, errors and the multi-threaded pattern.
+//! The router's contract: the cost function and its worked example, decisions, errors and load
+//! tracking against the model of `kvtest::router` (shared with the fuzz target `router_ops`),
+//! policies, determinism, misuse and the multi-threaded pattern.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -7,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use kvblock::{BlockHash, BlockSize};
 use kvcache::{CacheIndex, KvEvent, WorkerId};
 use kvroute::{cost, Error, Policy, RequestId, Role, Router};
+use kvtest::router::{self as router_model, Harness, Op};
 use proptest::prelude::*;
 
 fn b(i: u64) -> BlockHash {
@@ -434,71 +436,25 @@ fn shared_router_across_threads() {
     }
 }
 
-#[derive(Debug, Clone)]
-enum Op {
-    Route(u8, Vec<u8>),
-    Finish(u8),
-    AddWorker(u8),
-    RemoveWorker(u8),
-}
-
 proptest! {
-    /// In-flight load against a model: per worker, the distinct blocks of its unfinished requests.
+    /// The router against the naive model of `kvtest::router`, with the one `Op` that the fuzz
+    /// target `router_ops` decodes from bytes too: any policy and settings (invalid ones must be
+    /// rejected by `build()`), three workers to start, then routes (by blocks and by tokens, every
+    /// role), finishes, worker changes, engine events, `explain`, snapshots and restores. After
+    /// every step: each decision's worker, request blocks, cache hits and cost (and the policy's
+    /// choice), each error, the load of every worker (active blocks: the distinct blocks of its
+    /// unfinished requests; in-flight requests) and the total, the index, `explain`.
     #[test]
-    #[allow(clippy::map_entry)]
-    fn load_tracking_matches_model(policy in prop::sample::select(Policy::ALL.to_vec()),
-                                   ops in prop::collection::vec(prop_oneof![
-                                       6 => (0u8..20, prop::collection::vec(0u8..6, 0..6)).prop_map(|(i, v)| Op::Route(i, v)),
-                                       4 => (0u8..20).prop_map(Op::Finish),
-                                       1 => (0u8..5).prop_map(Op::AddWorker),
-                                       1 => (0u8..5).prop_map(Op::RemoveWorker),
-                                   ], 1..120)) {
-        let mut r = router(policy, 1.0, 3);
-        let mut workers: BTreeSet<u64> = (0..3).collect();
-        let mut inflight: BTreeMap<u64, (WorkerId, Vec<BlockHash>)> = BTreeMap::new();
-        for op in ops {
-            match op {
-                Op::Route(id, blocks) => {
-                    let id = u64::from(id);
-                    let blocks: Vec<BlockHash> = blocks.iter().map(|&x| b(u64::from(x))).collect();
-                    let res = r.route(RequestId::new(id), &blocks, Role::Unified);
-                    if workers.is_empty() {
-                        prop_assert_eq!(res, Err(Error::NoWorkers));
-                    } else if inflight.contains_key(&id) {
-                        prop_assert_eq!(res, Err(Error::DuplicateRequest { request_id: RequestId::new(id) }));
-                    } else {
-                        let d = res.expect("routable");
-                        prop_assert!(workers.contains(&d.worker.get()));
-                        inflight.insert(id, (d.worker, blocks));
-                    }
-                }
-                Op::Finish(id) => {
-                    let id = u64::from(id);
-                    prop_assert_eq!(r.finish(RequestId::new(id)).is_ok(), inflight.remove(&id).is_some());
-                }
-                Op::AddWorker(w) => {
-                    prop_assert_eq!(r.add_worker(WorkerId::new(w.into())), workers.insert(w.into()));
-                }
-                Op::RemoveWorker(w) => {
-                    let w = u64::from(w);
-                    prop_assert_eq!(r.remove_worker(WorkerId::new(w)), workers.remove(&w));
-                    // A removed worker's requests no longer count anywhere.
-                    for v in inflight.values_mut() {
-                        if v.0 == WorkerId::new(w) {
-                            v.1.clear();
-                            v.0 = WorkerId::new(u64::MAX);
-                        }
-                    }
-                }
-            }
-            for &w in &workers {
-                let w = WorkerId::new(w);
-                let distinct: BTreeSet<BlockHash> =
-                    inflight.values().filter(|v| v.0 == w).flat_map(|v| v.1.iter().copied()).collect();
-                prop_assert_eq!(r.active_blocks(w), distinct.len());
-                prop_assert_eq!(r.in_flight(w), inflight.values().filter(|v| v.0 == w).count());
-            }
-            prop_assert_eq!(r.in_flight_total(), inflight.len());
+    fn router_matches_model(config in router_model::strategy::config(),
+                            ops in prop::collection::vec(router_model::strategy::op(), 1..120)) {
+        let Some(mut h) = Harness::new(&config) else {
+            return Ok(());
+        };
+        for w in 0..3 {
+            h.step(&Op::Add(w));
+        }
+        for op in &ops {
+            h.step(op);
         }
     }
 }

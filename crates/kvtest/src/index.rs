@@ -1,20 +1,41 @@
 //! A naive model of `kvcache::CacheIndex` (a set of blocks per worker, the next expected event
-//! id, the stale flag) and the differential step that drives the real index and the model with
-//! the same operation, then compares everything observable.
+//! id, the stale flag), the operation enum [`Op`], and the differential [`step`] that drives the
+//! real index and the model with the same operation, then compares everything observable.
 //!
-//! Shared, not copied: `tests/index_model.rs` (proptest) includes this file with
-//! `#[path = "model/index.rs"] mod model;`; the fuzz targets `index_events` and `router_ops`
-//! (`fuzz/src/`) include it with a `#[path]` too. It depends only on `kvblock` and `kvcache`.
+//! One model, one `Op`: the proptest `crates/kvcache/tests/index_model.rs` generates `Op`s with
+//! [`strategy::op`], the fuzz target `index_events` ([`crate::fuzz::index_events`]) decodes them
+//! from bytes, and the router model ([`crate::router`]) mirrors its router's index with
+//! [`Model`].
+//!
+//! ```
+//! use kvblock::BlockHash;
+//! use kvcache::{CacheIndex, KvEvent};
+//! use kvtest::index::{step, Model, Op};
+//!
+//! let (mut real, mut model) = (CacheIndex::new(), Model::default());
+//! let stored = KvEvent::Stored { parent: None, blocks: vec![BlockHash::new(1)] };
+//! for op in [
+//!     Op::Apply { worker: 3, id_delta: 0, event: stored },
+//!     Op::Query(vec![BlockHash::new(1), BlockHash::new(2)]),
+//!     Op::Restore,
+//! ] {
+//!     step(&mut real, &mut model, &op).unwrap();
+//! }
+//! ```
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use kvblock::BlockHash;
 use kvcache::{Applied, CacheIndex, Error, KvEvent, WorkerId};
 
+/// One worker of the [`Model`].
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct MWorker {
+    /// The blocks it holds.
     pub blocks: BTreeSet<BlockHash>,
+    /// The next event id it expects.
     pub next: u64,
+    /// Whether its view may be incomplete (a gap or an unknown parent since the last `Cleared`).
     pub stale: bool,
 }
 
@@ -30,8 +51,10 @@ pub enum Reject {
     Parent,
 }
 
+/// The naive index: registered workers in id order, each a plain set.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Model {
+    /// The registered workers.
     pub workers: BTreeMap<WorkerId, MWorker>,
 }
 
@@ -89,6 +112,7 @@ impl Model {
             std::mem::take(&mut s.blocks).len()
         })
     }
+    /// The leading run of `q` that worker `w` holds (0 for an unknown worker).
     pub fn run(&self, w: WorkerId, q: &[BlockHash]) -> usize {
         self.workers
             .get(&w)
@@ -96,7 +120,8 @@ impl Model {
     }
 }
 
-/// Compares a real `apply` result with the model's.
+/// Compares a real `apply` result with the model's: the same `Applied` counts, or an error of the
+/// same kind naming event `id`.
 pub fn same_outcome(
     r: &Result<Applied, Error>,
     m: &Result<Outcome, Reject>,
@@ -122,24 +147,35 @@ pub fn same_outcome(
     Ok(())
 }
 
-/// One operation on an index. The proptest and the fuzz target generate these their own way.
+/// One operation on an index. The proptest generates these with [`strategy::op`], the fuzz target
+/// decodes them from bytes.
 #[derive(Debug, Clone)]
 pub enum Op {
     /// `apply` with the id the model expects next, plus `id_delta` (saturating).
     Apply {
+        /// The raw worker id.
         worker: u64,
+        /// Added to the next expected id: 0 is in order, < 0 a replay, > 0 a gap.
         id_delta: i8,
+        /// The event.
         event: KvEvent,
     },
     /// `apply` with this exact id.
     ApplyAt {
+        /// The raw worker id.
         worker: u64,
+        /// The event id.
         id: u64,
+        /// The event.
         event: KvEvent,
     },
+    /// `add_worker`.
     Add(u64),
+    /// `remove_worker`.
     Remove(u64),
+    /// `clear_worker`.
     Clear(u64),
+    /// `overlaps` and `overlaps_into` of this chain.
     Query(Vec<BlockHash>),
     /// Replace the real index with `CacheIndex::restore(index.snapshot())`.
     Restore,
@@ -304,4 +340,40 @@ pub fn check(real: &CacheIndex, model: &Model) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// Proptest strategies for [`Op`].
+pub mod strategy {
+    use kvblock::BlockHash;
+    use kvcache::KvEvent;
+    use proptest::prelude::*;
+
+    use super::Op;
+
+    /// Up to 5 blocks out of 12 ids, so that events and queries overlap often.
+    pub fn blocks() -> impl Strategy<Value = Vec<BlockHash>> {
+        prop::collection::vec((0u64..12).prop_map(BlockHash::new), 0..6)
+    }
+
+    /// Mostly events in order (some replays and gaps), queries, and now and then worker
+    /// registration changes and a snapshot round trip.
+    pub fn op() -> impl Strategy<Value = Op> {
+        // Worker ids spread over two bitset words (0..3 and 64..67) and a far one.
+        let worker = prop_oneof![0u64..3, 64u64..67, Just(200u64)];
+        let event = prop_oneof![
+            4 => (prop::option::weighted(0.5, (0u64..12).prop_map(BlockHash::new)), blocks())
+                .prop_map(|(parent, blocks)| KvEvent::Stored { parent, blocks }),
+            2 => blocks().prop_map(|blocks| KvEvent::Removed { blocks }),
+            1 => Just(KvEvent::Cleared),
+        ];
+        prop_oneof![
+            8 => (worker.clone(), prop_oneof![8 => Just(0i8), 1 => -2i8..0, 1 => 1i8..3], event)
+                .prop_map(|(worker, id_delta, event)| Op::Apply { worker, id_delta, event }),
+            1 => worker.clone().prop_map(Op::Remove),
+            1 => worker.clone().prop_map(Op::Clear),
+            1 => worker.prop_map(Op::Add),
+            3 => blocks().prop_map(Op::Query),
+            1 => Just(Op::Restore),
+        ]
+    }
 }

@@ -1,19 +1,36 @@
-//! A naive model of `kvcache::BlockCache` and the differential step that drives the real cache
-//! and the model with the same operation, then compares everything observable.
+//! A naive model of `kvcache::BlockCache`, the operation enum [`Op`], and the differential
+//! [`step`] that drives the real cache and the model with the same operation, then compares
+//! everything observable.
 //!
-//! Shared, not copied: `tests/cache_model.rs` (proptest) includes this file with
-//! `#[path = "model/cache.rs"] mod model;`, and the fuzz target `block_cache_ops`
-//! (`fuzz/src/block_cache_ops.rs`) includes it with a `#[path]` too. It depends only on
-//! `kvblock` and `kvcache`, so it compiles in both packages.
+//! One model, one `Op`: the proptest `crates/kvcache/tests/cache_model.rs` generates `Op`s with
+//! [`strategy::op`], the fuzz target `block_cache_ops` ([`crate::fuzz::block_cache_ops`]) decodes
+//! them from libFuzzer's bytes.
+//!
+//! ```
+//! use kvblock::BlockHash;
+//! use kvcache::BlockCache;
+//! use kvtest::cache::{step, Model, Op};
+//!
+//! let (mut real, mut model) = (BlockCache::new(Some(2)), Model::new(Some(2)));
+//! let chain: Vec<BlockHash> = (1..=3).map(BlockHash::new).collect();
+//! for op in [Op::Insert(chain[..2].to_vec()), Op::Pin(chain[..1].to_vec()), Op::Insert(chain)] {
+//!     step(&mut real, &mut model, &op, &[]).unwrap();
+//! }
+//! ```
 
 use kvblock::BlockHash;
 use kvcache::{BlockCache, Error, KvEvent};
 
+/// One resident block of the [`Model`].
 #[derive(Debug, Clone)]
 pub struct MBlock {
+    /// Its sequence hash.
     pub hash: BlockHash,
+    /// The block it extends (`None`: it starts a prompt).
     pub parent: Option<BlockHash>,
+    /// In-flight requests holding it.
     pub pins: u32,
+    /// When it was last used (a model clock tick); lower is less recent.
     pub stamp: u64,
 }
 
@@ -29,6 +46,7 @@ pub enum Reject {
 }
 
 impl Reject {
+    /// The kind of a real error (`None` for an error the model never expects).
     pub fn of(e: &Error) -> Option<Reject> {
         match e {
             Error::CapacityExhausted { .. } => Some(Reject::Capacity),
@@ -42,13 +60,21 @@ impl Reject {
 /// Plain vectors, linear scans, stamps for recency: obviously right, slow.
 #[derive(Debug, Default, Clone)]
 pub struct Model {
+    /// The capacity in blocks (`None`: unbounded).
     pub cap: Option<usize>,
+    /// The resident blocks, in no particular order.
     pub blocks: Vec<MBlock>,
+    /// The recency clock: every use stamps a block with the next tick.
     pub clock: u64,
+    /// Events queued since the last [`step`] compared them.
     pub events: Vec<KvEvent>,
+    /// `CacheStats::lookups`.
     pub lookups: u64,
+    /// `CacheStats::hit_blocks`.
     pub hit_blocks: u64,
+    /// `CacheStats::blocks_stored`.
     pub stored: u64,
+    /// `CacheStats::evictions`.
     pub evictions: u64,
 }
 
@@ -63,15 +89,18 @@ impl Model {
     fn limit(&self) -> usize {
         self.cap.unwrap_or(usize::MAX)
     }
+    /// The resident block `h`.
     pub fn get(&self, h: BlockHash) -> Option<&MBlock> {
         self.blocks.iter().find(|b| b.hash == h)
     }
     fn get_mut(&mut self, h: BlockHash) -> Option<&mut MBlock> {
         self.blocks.iter_mut().find(|b| b.hash == h)
     }
+    /// `BlockCache::match_len`: the leading run of `chain` that is resident.
     pub fn match_len(&self, chain: &[BlockHash]) -> usize {
         chain.iter().take_while(|h| self.get(**h).is_some()).count()
     }
+    /// `BlockCache::lookup`: [`match_len`](Self::match_len), counted.
     pub fn lookup(&mut self, chain: &[BlockHash]) -> usize {
         let n = self.match_len(chain);
         self.lookups += 1;
@@ -117,6 +146,7 @@ impl Model {
         self.evictions += n as u64;
         self.events.push(KvEvent::Removed { blocks: removed });
     }
+    /// `BlockCache::insert`: the number of blocks stored, or why it fails (changing nothing).
     pub fn insert(&mut self, chain: &[BlockHash]) -> Result<usize, Reject> {
         let mut run = 0;
         for (i, h) in chain.iter().enumerate() {
@@ -177,6 +207,7 @@ impl Model {
         }
         n
     }
+    /// `BlockCache::pin`: pins the linked resident leading run; returns its length.
     pub fn pin(&mut self, chain: &[BlockHash]) -> usize {
         let run = self.linked_run(chain, false);
         for h in &chain[..run] {
@@ -184,6 +215,8 @@ impl Model {
         }
         run
     }
+    /// `BlockCache::unpin`: releases one pin from each block of the linked, pinned leading run
+    /// (tail first, so the leading blocks end up the most recent); returns its length.
     pub fn unpin(&mut self, chain: &[BlockHash]) -> usize {
         let run = self.linked_run(chain, true);
         for h in chain[..run].iter().rev() {
@@ -195,6 +228,7 @@ impl Model {
         }
         run
     }
+    /// `BlockCache::set_capacity`: evicts down to `cap`, or fails changing nothing.
     pub fn set_capacity(&mut self, cap: Option<usize>) -> Result<(), Reject> {
         let needed = self.blocks.len().saturating_sub(cap.unwrap_or(usize::MAX));
         if needed > self.evictable(&[]) {
@@ -204,6 +238,7 @@ impl Model {
         self.evict(needed, &[]);
         Ok(())
     }
+    /// `BlockCache::clear`: drops every block unless one is pinned.
     pub fn clear(&mut self) -> Result<usize, Reject> {
         if self.blocks.iter().any(|b| b.pins > 0) {
             return Err(Reject::Pinned);
@@ -213,6 +248,7 @@ impl Model {
         self.events.push(KvEvent::Cleared);
         Ok(n)
     }
+    /// `BlockCache::recency_order`: unpinned blocks from least to most recently used.
     pub fn recency(&self) -> Vec<BlockHash> {
         let mut v: Vec<&MBlock> = self.blocks.iter().filter(|b| b.pins == 0).collect();
         v.sort_by_key(|b| b.stamp);
@@ -220,14 +256,21 @@ impl Model {
     }
 }
 
-/// One operation on a cache. The proptest and the fuzz target generate these their own way.
+/// One operation on a cache. The proptest generates these with [`strategy::op`], the fuzz target
+/// decodes them from bytes.
 #[derive(Debug, Clone)]
 pub enum Op {
+    /// `insert(chain)`.
     Insert(Vec<BlockHash>),
+    /// `lookup(chain)`.
     Lookup(Vec<BlockHash>),
+    /// `pin(chain)` (the chain may start mid-prompt).
     Pin(Vec<BlockHash>),
+    /// `unpin(chain)`.
     Unpin(Vec<BlockHash>),
+    /// `set_capacity(capacity)`.
     Capacity(Option<usize>),
+    /// `clear()`.
     Clear,
 }
 
@@ -348,4 +391,49 @@ pub fn step(
         );
     }
     Ok(())
+}
+
+/// Proptest strategies for [`Op`].
+pub mod strategy {
+    use kvblock::{BlockHash, BlockHasher, BlockSize};
+    use proptest::prelude::*;
+
+    use super::Op;
+
+    /// Real chained hashes of short token strings over a 3-letter alphabet at block size 1, so
+    /// prompts share prefixes often; now and then arbitrary ids, which may contradict the chains.
+    pub fn chain() -> impl Strategy<Value = Vec<BlockHash>> {
+        let hasher = BlockHasher::new(BlockSize::new(1).expect("non-zero"));
+        prop_oneof![
+            8 => prop::collection::vec(0u32..3, 0..7).prop_map(move |t| hasher.sequence_hashes(&t)),
+            1 => prop::collection::vec(0u64..6, 0..4).prop_map(|v| v.into_iter().map(BlockHash::new).collect()),
+        ]
+    }
+
+    /// Mostly inserts and pins (also from mid-chain), some lookups, rare capacity changes and
+    /// clears.
+    pub fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            6 => chain().prop_map(Op::Insert),
+            2 => chain().prop_map(Op::Lookup),
+            3 => (chain(), 0usize..3).prop_map(|(c, k)| Op::Pin(c[k.min(c.len())..].to_vec())),
+            3 => (chain(), 0usize..3).prop_map(|(c, k)| Op::Unpin(c[k.min(c.len())..].to_vec())),
+            1 => prop::option::weighted(0.8, 0usize..12).prop_map(Op::Capacity),
+            1 => Just(Op::Clear),
+        ]
+    }
+
+    /// The probes [`step`](super::step) matches after every operation in the proptest: three
+    /// 6-block chains at block size 1 that the generated chains often share prefixes with.
+    pub fn probes() -> Vec<Vec<BlockHash>> {
+        let hasher = BlockHasher::new(BlockSize::new(1).expect("non-zero"));
+        [
+            [0u32, 1, 2, 0, 1, 2],
+            [1, 1, 1, 1, 1, 1],
+            [2, 0, 2, 0, 2, 0],
+        ]
+        .iter()
+        .map(|t| hasher.sequence_hashes(t))
+        .collect()
+    }
 }

@@ -1,14 +1,14 @@
 //! `index_events`: arbitrary event streams of several workers into a `kvcache::CacheIndex`
 //! (unknown parents, gaps, duplicates and replays, removals of unknown blocks, `Cleared`, worker
 //! removal, `clear_worker`, queries, snapshot/restore), each step compared with the naive model
-//! of `crates/kvcache/tests/model/index.rs` (the model the proptest uses): never a panic, the
-//! same `Ok`/`Err` kind, the same `Applied` counts, the same overlaps, block counts, stale flags
-//! and next event ids; `check_invariants` after every step.
+//! of [`crate::index`] (the model the proptest uses) by [`crate::index::step`]: never a panic,
+//! the same `Ok`/`Err` kind, the same `Applied` counts, the same overlaps, block counts, stale
+//! flags and next event ids; `check_invariants` after every step.
 
 use arbitrary::{Arbitrary, Unstructured};
 use kvcache::{BlockHash, CacheIndex, KvEvent, WorkerId};
 
-use crate::models::index as model;
+use crate::index as model;
 use model::{Model, Op};
 
 const MAX_OPS: usize = 300;
@@ -31,10 +31,19 @@ fn blocks(v: &[u8]) -> Vec<BlockHash> {
         .collect()
 }
 
+/// A KV event: block ids `% 16`, at most 8 blocks.
 #[derive(Debug, Arbitrary)]
 pub enum FuzzEvent {
-    Stored { parent: Option<u8>, blocks: Vec<u8> },
+    /// `KvEvent::Stored`.
+    Stored {
+        /// The parent id, if any.
+        parent: Option<u8>,
+        /// The stored blocks.
+        blocks: Vec<u8>,
+    },
+    /// `KvEvent::Removed`.
     Removed(Vec<u8>),
+    /// `KvEvent::Cleared`.
     Cleared,
 }
 
@@ -51,24 +60,33 @@ impl FuzzEvent {
     }
 }
 
+/// The encoding of one [`Op`] (worker codes: 0..=8, 200, `u64::MAX`, 2^40): the variants, their
+/// order and field types are the byte layout of the target's seeds and regressions.
 #[derive(Debug, Arbitrary)]
 pub enum FuzzOp {
     /// The next expected id (delta 0), a replay (< 0) or a gap (> 0).
     Apply(u8, i8, FuzzEvent),
     /// An exact id: 0, `u64::MAX`, or anything.
     ApplyAt(u8, u64, FuzzEvent),
+    /// [`Op::Add`].
     Add(u8),
+    /// [`Op::Remove`].
     Remove(u8),
+    /// [`Op::Clear`].
     Clear(u8),
+    /// [`Op::Query`] (block ids `% 16`, at most 8).
     Query(Vec<u8>),
+    /// [`Op::Restore`].
     Restore,
 }
 
+/// One fuzz input.
 #[derive(Debug, Arbitrary)]
 pub struct Input {
     /// Workers registered first (`% 70`), so dense indices of the tested ones cross the 32- and
     /// 64-worker boundaries of the holder sets.
     pub placeholders: u8,
+    /// The operations (at most 300 are applied).
     pub ops: Vec<FuzzOp>,
 }
 

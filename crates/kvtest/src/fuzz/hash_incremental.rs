@@ -4,11 +4,16 @@
 use arbitrary::{Arbitrary, Unstructured};
 use kvblock::{BlockHasher, BlockSequence, BlockSize};
 
+/// One fuzz input.
 #[derive(Debug, Arbitrary)]
 pub struct Input {
+    /// The block size (0 must be rejected).
     pub block_size: u8,
+    /// The LoRA name salting the hashes.
     pub lora: String,
+    /// The tokens.
     pub tokens: Vec<u32>,
+    /// Where to cut the tokens for incremental hashing (clamped, sorted).
     pub splits: Vec<u16>,
 }
 

@@ -106,14 +106,23 @@ fn check_text(text: &str, bs: BlockSize) {
 /// A JSON value where a number is expected.
 #[derive(Debug, Arbitrary)]
 pub enum Num {
+    /// A small integer.
     Small(u8),
+    /// Any `u64`.
     Any(u64),
+    /// `u64::MAX`.
     Max,
+    /// Around 2^24 (the token limit).
     Tokens(u8),
+    /// A negative integer (down to below `i64::MIN`).
     Negative(i64),
+    /// A float (`1e400` when not finite).
     Float(f64),
+    /// `1e<e>`.
     Exponent(i8),
+    /// A string.
     Text,
+    /// `null`.
     Null,
 }
 
@@ -138,14 +147,19 @@ impl Num {
 /// One line of a trace, well-formed JSON with any values.
 #[derive(Debug, Arbitrary)]
 pub struct Line {
+    /// `timestamp`.
     pub timestamp: Num,
+    /// `input_length`.
     pub input_length: Num,
+    /// `output_length`.
     pub output_length: Num,
     /// Mostly small ids, so that lines share prefixes (and sometimes break the chain).
     pub hash_ids: Vec<u8>,
+    /// One more id of any value, appended.
     pub odd_id: Option<Num>,
     /// Bit k drops field k (rarely wanted: only when all low bits are set).
     pub omit: u8,
+    /// A blank line (spaces) after this one.
     pub blank_after: bool,
 }
 

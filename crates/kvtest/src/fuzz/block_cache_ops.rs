@@ -1,13 +1,14 @@
 //! `block_cache_ops`: arbitrary insert / lookup / match / pin / unpin / set_capacity / clear
 //! sequences on a `kvcache::BlockCache`, each step compared with the naive model of
-//! `crates/kvcache/tests/model/cache.rs` (the model the proptest uses): same answers, same error
-//! kinds, same events, same recency order, pins and counters; `check_invariants` after every step.
+//! [`crate::cache`] (the model the proptest uses) by [`crate::cache::step`]: same answers, same
+//! error kinds, same events, same recency order, pins and counters; `check_invariants` after
+//! every step.
 
 use arbitrary::{Arbitrary, Unstructured};
 use kvblock::{BlockHash, BlockHasher, BlockSize};
 use kvcache::BlockCache;
 
-use crate::models::cache as model;
+use crate::cache as model;
 use model::{Model, Op};
 
 /// Steps per input: the model is quadratic, and longer runs find nothing shorter ones do not.
@@ -18,26 +19,36 @@ const MAX_OPS: usize = 200;
 /// the chains (repeats, gaps, other parents).
 #[derive(Debug, Arbitrary)]
 pub enum Chain {
+    /// Up to 8 tokens `% 3`, hashed at block size 1.
     Tokens(Vec<u8>),
+    /// Up to 5 raw ids `% 6`.
     Ids(Vec<u8>),
 }
 
+/// The encoding of one [`Op`]: the variants, their order and field types are the byte layout of
+/// the target's seeds and regressions.
 #[derive(Debug, Arbitrary)]
 pub enum FuzzOp {
+    /// [`Op::Insert`].
     Insert(Chain),
+    /// [`Op::Lookup`].
     Lookup(Chain),
     /// Pin the chain from position `.1 % 3` (a request may pin from mid-chain).
     Pin(Chain, u8),
+    /// Unpin the chain from position `.1 % 3`.
     Unpin(Chain, u8),
     /// `None`: unbounded; 255: `usize::MAX`; else `% 14` (0 holds nothing).
     Capacity(Option<u8>),
+    /// [`Op::Clear`].
     Clear,
 }
 
+/// One fuzz input: the starting capacity and the operations.
 #[derive(Debug, Arbitrary)]
 pub struct Input {
     /// `None` or 0: unbounded; else `% 12`.
     pub capacity: Option<u8>,
+    /// The operations (at most 200 are applied).
     pub ops: Vec<FuzzOp>,
 }
 
@@ -78,16 +89,8 @@ pub fn check(input: &Input) {
     let cap = input.capacity.map(|c| usize::from(c % 12));
     let mut real = BlockCache::new(cap.filter(|&c| c > 0));
     let mut model = Model::new(cap);
-    let hasher = BlockHasher::new(BlockSize::new(1).expect("non-zero"));
-    let probes: Vec<Vec<BlockHash>> = [
-        [0u32, 1, 2, 0, 1, 2],
-        [1, 1, 1, 1, 1, 1],
-        [2, 0, 2, 0, 2, 0],
-    ]
-    .iter()
-    .map(|t| hasher.sequence_hashes(t))
-    .chain([(0..6).map(BlockHash::new).collect()])
-    .collect();
+    let mut probes = model::strategy::probes();
+    probes.push((0..6).map(BlockHash::new).collect());
     for f in input.ops.iter().take(MAX_OPS) {
         if let Err(e) = model::step(&mut real, &mut model, &op(f), &probes) {
             panic!("block_cache_ops: {e}");
