@@ -104,16 +104,32 @@ fn cases() -> Vec<(&'static str, SimConfig)> {
 /// before the engine state machine was extracted from the event loop.
 const PINNED: &[(&str, u64, u64)] = &[
     ("default", 0x23c2cd123d74bfb7, 0x5f652defc888af95),
-    ("source document, block 512", 0xdfc9ce4381b5a5a2, 0x258dc3c5bce47bc7),
+    (
+        "source document, block 512",
+        0xdfc9ce4381b5a5a2,
+        0x258dc3c5bce47bc7,
+    ),
     ("bounded, zipf", 0xda48f64224d30241, 0x17234d218e3dbf55),
     ("kv", 0xb0214dc49b0927fc, 0x744098da0d74f8a9),
     ("prefix_aware", 0x39fdf168db6be996, 0x374226a0d16ffee7),
     ("round_robin", 0x60c82a1854d2ef63, 0x92f220ccfe7b5fbd),
     ("random", 0x4da5ea7d4e07dbb2, 0xf210dab00acea57f),
-    ("delayed events, 3 routers", 0x6422c8fb75e83c55, 0x08bcb09500244269),
+    (
+        "delayed events, 3 routers",
+        0x6422c8fb75e83c55,
+        0x08bcb09500244269,
+    ),
     ("disaggregated", 0x82a90f76c6e1ce1e, 0xac33e27272fc1a4c),
-    ("disaggregated, decode rejects all", 0x19eeeeb5206ed74a, 0x21dd1f9eaed2b93f),
-    ("disaggregated, tiny", 0x546974ed3ca50374, 0x9dc6275164415eaa),
+    (
+        "disaggregated, decode rejects all",
+        0x19eeeeb5206ed74a,
+        0x21dd1f9eaed2b93f,
+    ),
+    (
+        "disaggregated, tiny",
+        0x546974ed3ca50374,
+        0x9dc6275164415eaa,
+    ),
     ("trace, bounded", 0x1255a6e427158491, 0xa4fa22095746f81a),
     ("trace, fast", 0x730755e23de70f02, 0xcf40219313af936f),
 ];
