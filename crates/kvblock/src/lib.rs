@@ -25,6 +25,15 @@
 //! assert_eq!(seq[1], kvblock::chain(Some(seq[0]), hasher.local_hashes(&tokens)[1]));
 //! # Ok::<(), kvblock::Error>(())
 //! ```
+//!
+//! # Features
+//!
+//! | feature | default | what it adds | what it costs |
+//! |---|---|---|---|
+//! | `serde` | off | `Serialize`/`Deserialize` for [`BlockSize`], [`BlockHash`] and [`LocalBlockHash`] (plain integers) | the `serde` crate |
+//!
+//! Always needed: `xxhash-rust` (XXH3 only), `bytemuck` (token bytes without copying) and
+//! `thiserror`.
 #![deny(missing_docs)]
 // No input a caller, an engine or a file supplies may panic the library.
 #![cfg_attr(

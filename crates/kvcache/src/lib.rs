@@ -26,6 +26,15 @@
 //! assert_eq!(engine.match_len(&prompt), 3);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+//!
+//! # Features
+//!
+//! | feature | default | what it adds | what it costs |
+//! |---|---|---|---|
+//! | `serde` | off | `Serialize`/`Deserialize` for [`KvEvent`], [`WorkerId`] and [`IndexSnapshot`] (and `kvblock/serde`) | the `serde` crate |
+//!
+//! Always needed: `kvblock`, `hashbrown` (with a fixed, seedless hasher: iteration order never
+//! depends on the process) and `thiserror`.
 #![deny(missing_docs)]
 // No input a caller, an engine or a file supplies may panic the library.
 #![cfg_attr(

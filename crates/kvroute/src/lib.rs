@@ -44,8 +44,13 @@
 //!
 //! # Features
 //!
-//! - `vllm`: the `kvroute::vllm` module, which decodes vLLM's MessagePack KV-event batches and
-//!   applies them to a [`Router`] (engine block hashes mapped to ours, sequence numbers checked).
+//! | feature | default | what it adds | what it costs |
+//! |---|---|---|---|
+//! | `vllm` | off | the `kvroute::vllm` module: decodes vLLM's (and SGLang's) MessagePack KV-event batches and applies them to a [`Router`] (engine block hashes mapped to ours, sequence numbers checked) | the `rmpv` crate (MessagePack values) |
+//!
+//! Always needed: `kvcache` (and `kvblock`), `hashbrown`, `xxhash-rust` (the consistent-hash
+//! ring), `rand_core` and `rand_xoshiro` (seeded tie-breaking) and `thiserror`. No async
+//! runtime, no I/O.
 #![deny(missing_docs)]
 // No input a caller, an engine or a file supplies may panic the library.
 #![cfg_attr(

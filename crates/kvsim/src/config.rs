@@ -8,13 +8,9 @@ use std::sync::Arc;
 use kvblock::BlockSize;
 use kvroute::Policy;
 
-use crate::trace::Trace;
-
+use crate::error::Error;
 use crate::timing::LinearTiming;
-use crate::Error;
-
-/// Prompt and output lengths above this many tokens are refused (a trace refuses them too).
-pub const MAX_TOKENS: usize = 1 << 24;
+use crate::trace::{Trace, MAX_TOKENS};
 /// Engines per pool above this are refused.
 const MAX_ENGINES: usize = 1 << 16;
 
@@ -62,7 +58,7 @@ impl FromStr for ArrivalModel {
         ArrivalModel::ALL
             .into_iter()
             .find(|m| m.name() == s)
-            .ok_or_else(|| Error::invalid("--arrival-model", s, "one of poisson, constant, gamma"))
+            .ok_or_else(|| Error::invalid("arrival_model", s, "one of poisson, constant, gamma"))
     }
 }
 
@@ -95,7 +91,7 @@ impl FromStr for Popularity {
         }
         match s.strip_prefix("zipf:").map(str::parse::<f64>) {
             Some(Ok(x)) if x.is_finite() && x > 0.0 => Ok(Popularity::Zipf(x)),
-            _ => Err(Error::invalid("--prefix-popularity", s, EXPECTED)),
+            _ => Err(Error::invalid("prefix_popularity", s, EXPECTED)),
         }
     }
 }
@@ -111,13 +107,22 @@ pub enum TraceTiming {
     Rate,
 }
 
+impl fmt::Display for TraceTiming {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            TraceTiming::Keep => "keep",
+            TraceTiming::Rate => "rate",
+        })
+    }
+}
+
 impl FromStr for TraceTiming {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self, Error> {
         match s {
             "keep" => Ok(TraceTiming::Keep),
             "rate" => Ok(TraceTiming::Rate),
-            _ => Err(Error::invalid("--trace-timing", s, "keep or rate")),
+            _ => Err(Error::invalid("trace_timing", s, "keep or rate")),
         }
     }
 }
@@ -132,7 +137,7 @@ impl FromStr for TraceTiming {
 /// ```
 /// let mut cfg = kvsim::SimConfig::default();
 /// cfg.instances = 0;
-/// assert_eq!(cfg.validate().unwrap_err().to_string(), "invalid --des-instances 0: expected a whole number >= 1");
+/// assert_eq!(cfg.validate().unwrap_err().to_string(), "invalid instances 0: expected a whole number >= 1");
 /// ```
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
@@ -290,7 +295,8 @@ impl SimConfig {
         }
     }
 
-    /// Checks every setting; the error names the CLI flag, the value and what is accepted.
+    /// Checks every setting; the error names the setting (its field), the value and what is
+    /// accepted.
     pub fn validate(&self) -> Result<(), Error> {
         let positive = |flag, v: f64| {
             if v.is_finite() && v > 0.0 {
@@ -329,96 +335,96 @@ impl SimConfig {
             }
         };
         within(
-            "--request-rate",
+            "request_rate",
             self.request_rate,
             1e-6,
             1e9,
             "a number from 0.000001 to 1e9 (requests/s)",
         )?;
         within(
-            "--arrival-cv",
+            "arrival_cv",
             self.arrival_cv,
             1e-3,
             1e3,
             "a number from 0.001 to 1000",
         )?;
-        at_most("--input-len", self.input_len, MAX_TOKENS)?;
-        at_most("--output-len", self.output_len, MAX_TOKENS)?;
-        at_most("--des-prefix-len", self.prefix_len, MAX_TOKENS)?;
-        at_most("--des-num-prefixes", self.num_prefixes, 1 << 20)?;
-        at_most("--des-instances", self.instances, MAX_ENGINES)?;
+        at_most("input_len", self.input_len, MAX_TOKENS)?;
+        at_most("output_len", self.output_len, MAX_TOKENS)?;
+        at_most("prefix_len", self.prefix_len, MAX_TOKENS)?;
+        at_most("num_prefixes", self.num_prefixes, 1 << 20)?;
+        at_most("instances", self.instances, MAX_ENGINES)?;
         at_most(
-            "--des-prefill-instances",
+            "prefill_instances",
             self.prefill_instances.unwrap_or(0),
             MAX_ENGINES,
         )?;
         at_most(
-            "--des-decode-instances",
+            "decode_instances",
             self.decode_instances.unwrap_or(0),
             MAX_ENGINES,
         )?;
-        at_most("--des-routers", self.routers, 1024)?;
-        at_least_one("--des-num-requests", self.num_requests)?;
-        at_least_one("--des-num-prefixes", self.num_prefixes)?;
-        at_least_one("--input-len", self.input_len)?;
+        at_most("routers", self.routers, 1024)?;
+        at_least_one("num_requests", self.num_requests)?;
+        at_least_one("num_prefixes", self.num_prefixes)?;
+        at_least_one("input_len", self.input_len)?;
         if self.trace.is_none() && self.prefix_len > self.input_len {
             return Err(Error::invalid(
-                "--des-prefix-len",
+                "prefix_len",
                 self.prefix_len,
                 format!(
-                    "at most --input-len ({}): the prefix is part of the prompt",
+                    "at most input_len ({}): the prefix is part of the prompt",
                     self.input_len
                 ),
             ));
         }
-        at_least_one("--output-len", self.output_len)?;
-        at_least_one("--des-instances", self.instances)?;
+        at_least_one("output_len", self.output_len)?;
+        at_least_one("instances", self.instances)?;
         if let Some(k) = self.kv_blocks {
-            at_least_one("--des-kv-blocks", k)?;
+            at_least_one("kv_blocks", k)?;
         }
-        at_least_one("--max-batched-tokens", self.max_batched_tokens)?;
-        at_least_one("--max-num-seqs", self.max_num_seqs)?;
+        at_least_one("max_batched_tokens", self.max_batched_tokens)?;
+        at_least_one("max_num_seqs", self.max_num_seqs)?;
         if self.max_num_seqs >= self.max_batched_tokens {
             return Err(Error::invalid(
-                "--max-num-seqs",
+                "max_num_seqs",
                 self.max_num_seqs,
-                "fewer than --max-batched-tokens (each decoding request takes a token of the budget)",
+                "fewer than max_batched_tokens (each decoding request takes a token of the budget)",
             ));
         }
         if let Popularity::Zipf(s) = self.prefix_popularity {
-            positive("--prefix-popularity zipf exponent", s)?;
+            positive("prefix_popularity", s)?;
         }
-        non_negative("--des-overlap-weight", self.overlap_weight)?;
-        positive("--trace-speedup", self.trace_speedup)?;
-        at_least_one("--des-routers", self.routers)?;
-        at_least_one("--prefix-aware-blocks", self.prefix_aware_blocks)?;
+        non_negative("overlap_weight", self.overlap_weight)?;
+        positive("trace_speedup", self.trace_speedup)?;
+        at_least_one("routers", self.routers)?;
+        at_least_one("prefix_aware_blocks", self.prefix_aware_blocks)?;
         if self.disaggregated() {
             let (Some(p), Some(d)) = (self.prefill_instances, self.decode_instances) else {
                 let (flag, v) = if self.prefill_instances.is_some() {
-                    ("--des-decode-instances", "unset")
+                    ("decode_instances", "unset")
                 } else {
-                    ("--des-prefill-instances", "unset")
+                    ("prefill_instances", "unset")
                 };
                 return Err(Error::invalid(
                     flag,
                     v,
-                    "both --des-prefill-instances and --des-decode-instances, or neither",
+                    "both prefill_instances and decode_instances, or neither",
                 ));
             };
-            at_least_one("--des-prefill-instances", p)?;
-            at_least_one("--des-decode-instances", d)?;
+            at_least_one("prefill_instances", p)?;
+            at_least_one("decode_instances", d)?;
         }
         if let Some(w) = self.prefill_overlap_weight {
-            non_negative("--kv-prefill-overlap-weight", w)?;
+            non_negative("prefill_overlap_weight", w)?;
         }
         if let Some(w) = self.decode_overlap_weight {
-            non_negative("--kv-decode-overlap-weight", w)?;
+            non_negative("decode_overlap_weight", w)?;
         }
-        positive("--pd-transfer-gbps", self.pd_transfer_gbps)?;
+        positive("pd_transfer_gbps", self.pd_transfer_gbps)?;
         if let Some(t) = &self.trace {
             if t.block_size() != self.block_size {
                 return Err(Error::invalid(
-                    "--des-block-size",
+                    "block_size",
                     self.block_size,
                     format!(
                         "the trace's block size {} (its ids name {}-token blocks and cannot be re-blocked)",

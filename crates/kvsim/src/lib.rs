@@ -11,6 +11,8 @@
 //!   The same settings and seed give the same report, byte for byte, on any machine.
 //! - Step time is a pluggable [`TimingModel`]; the default [`LinearTiming`] describes an 8B
 //!   model on one H100-class GPU and is meant to be replaced by your own fit.
+//! - One engine's state machine is [`Engine`]: it knows nothing about the event queue, so the
+//!   same code can be driven by a wall clock (an engine emulator) as by simulated time.
 //!
 //! ```
 //! use kvsim::{SimConfig, Simulation};
@@ -24,6 +26,20 @@
 //! println!("{}", report.to_text(false));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+//!
+//! # Modules
+//!
+//! The pieces depend on each other one way only: `error` and `stats` are leaves; `timing`,
+//! `trace`, `config` and `workload` describe a run; `engine` is one engine's state machine;
+//! `fleet` holds the engines and their routers; `sim` is the event loop; `report` turns the
+//! plain records the loop hands it into figures.
+//!
+//! # Features
+//!
+//! None. The library depends on `kvroute` (and so `kvcache`, `kvblock`), `serde` and
+//! `serde_json` (the JSON report and trace parsing), `rand_core`/`rand_xoshiro` (seeded
+//! sampling), `libm` and `thiserror`. The `kvsim` command, with clap, plotters and indicatif, is
+//! the separate `kvsim-cli` package.
 #![deny(missing_docs)]
 // No input a caller, an engine or a file supplies may panic the library.
 #![cfg_attr(
@@ -32,50 +48,23 @@
 )]
 
 mod config;
+mod engine;
+mod error;
+mod fleet;
 mod report;
 mod rng;
 mod sim;
+mod stats;
 mod timing;
 mod trace;
 mod workload;
 
-pub use config::{ArrivalModel, Popularity, SimConfig, TraceTiming, MAX_TOKENS};
+pub use config::{ArrivalModel, Popularity, SimConfig, TraceTiming};
+pub use engine::{Engine, EngineConfig, EngineRequest, Outcome, PlannedStep, Pool};
+pub use error::{Error, TraceError};
 pub use kvroute::Policy;
-pub use report::{InstanceReport, PdReport, PoolReport, Report, Summary, HOT_SPOT_THRESHOLD};
+pub use report::{InstanceReport, PdReport, PoolReport, Report, HOT_SPOT_THRESHOLD};
 pub use sim::Simulation;
+pub use stats::Summary;
 pub use timing::{LinearTiming, StepShape, TimingModel};
-pub use trace::{Lengths, Trace, TraceError, TraceRequest, TraceStats};
-
-/// Errors of this crate. Each names the setting (by its CLI flag), the value and what is
-/// accepted.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[non_exhaustive]
-pub enum Error {
-    /// A setting outside what is accepted.
-    #[error("invalid {flag} {value}: expected {expected}")]
-    InvalidSetting {
-        /// The CLI flag of the setting.
-        flag: &'static str,
-        /// The value given.
-        value: String,
-        /// What is accepted.
-        expected: String,
-    },
-    /// The router refused a setting.
-    #[error(transparent)]
-    Router(#[from] kvroute::Error),
-}
-
-impl Error {
-    pub(crate) fn invalid(
-        flag: &'static str,
-        value: impl std::fmt::Display,
-        expected: impl Into<String>,
-    ) -> Self {
-        Error::InvalidSetting {
-            flag,
-            value: value.to_string(),
-            expected: expected.into(),
-        }
-    }
-}
+pub use trace::{Lengths, Trace, TraceRequest, TraceStats, MAX_TOKENS};

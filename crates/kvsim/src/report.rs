@@ -4,73 +4,61 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
+use kvroute::Policy;
+
 use crate::config::SimConfig;
-use crate::sim::{Engine, Pool, Req};
+use crate::engine::Pool;
+use crate::stats::{ratio, Summary};
 
 /// Load balance (max over mean requests per instance) above which the report warns of
 /// hot-spotting.
 pub const HOT_SPOT_THRESHOLD: f64 = 1.5;
 
-pub(crate) struct Collected {
-    pub(crate) reqs: Vec<Req>,
-    pub(crate) engines: Vec<Engine>,
+/// What the simulator hands the report about one request.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct RequestRecord {
+    pub(crate) arrival: u64,
+    pub(crate) input: usize,
+    pub(crate) output: usize,
+    pub(crate) prompt_blocks: usize,
+    /// The engine that prefills it (unified or prefill pool).
+    pub(crate) engine: usize,
+    /// Leading prompt blocks resident on `engine` when it was scheduled (engine truth).
+    pub(crate) hits: usize,
+    /// The decode engine, when disaggregated.
+    pub(crate) decode_engine: Option<usize>,
+    /// Leading prompt blocks already on the decode engine when the transfer started.
+    pub(crate) decode_hits: usize,
+    /// When the prefill engine scheduled it.
+    pub(crate) scheduled: u64,
+    pub(crate) transfer_us: u64,
+    pub(crate) first_token: u64,
+    pub(crate) finish: u64,
+    pub(crate) rejected: bool,
+}
+
+/// What the simulator hands the report about one engine.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct EngineRecord {
+    pub(crate) pool: Pool,
+    pub(crate) evictions: u64,
+    pub(crate) resident_blocks: usize,
+    pub(crate) busy_us: u64,
+}
+
+/// Everything a finished run hands the report.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Records {
+    pub(crate) requests: Vec<RequestRecord>,
+    pub(crate) engines: Vec<EngineRecord>,
+    /// (step duration, tokens it produced for decoding requests): ITL samples by weight.
     pub(crate) itl: Vec<(u64, u64)>,
     pub(crate) router_errors: u64,
     pub(crate) inconsistent_inserts: u64,
 }
 
-/// The 1-based nearest rank of quantile `q` among `total` samples: `ceil(q * total)`, at least 1.
-pub(crate) fn nearest_rank(q: f64, total: u64) -> u64 {
-    ((q * total as f64).ceil() as u64).clamp(1, total.max(1))
-}
-
-/// Mean and percentiles of a latency, in milliseconds (nearest-rank percentiles).
-#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
-#[non_exhaustive]
-pub struct Summary {
-    /// Mean.
-    pub mean: f64,
-    /// Median.
-    pub p50: f64,
-    /// 90th percentile.
-    pub p90: f64,
-    /// 99th percentile.
-    pub p99: f64,
-}
-
-impl Summary {
-    /// From `(value_us, weight)` samples.
-    fn weighted(samples: &mut [(u64, u64)]) -> Self {
-        let total: u64 = samples.iter().map(|s| s.1).sum();
-        if total == 0 {
-            return Summary::default();
-        }
-        samples.sort_unstable();
-        let sum: f64 = samples.iter().map(|&(v, w)| v as f64 * w as f64).sum();
-        let at = |q: f64| {
-            // Nearest rank: the smallest value whose cumulative weight reaches the rank.
-            let rank = nearest_rank(q, total);
-            let mut acc = 0;
-            for &(v, w) in samples.iter() {
-                acc += w;
-                if acc >= rank {
-                    return v as f64 / 1e3;
-                }
-            }
-            0.0
-        };
-        Summary {
-            mean: sum / total as f64 / 1e3,
-            p50: at(0.50),
-            p90: at(0.90),
-            p99: at(0.99),
-        }
-    }
-
-    fn from_us(values: impl Iterator<Item = u64>) -> Self {
-        let mut v: Vec<(u64, u64)> = values.map(|x| (x, 1)).collect();
-        Summary::weighted(&mut v)
-    }
+fn policy_name<S: serde::Serializer>(p: &Policy, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(p.name())
 }
 
 /// One instance's share of a run.
@@ -80,7 +68,7 @@ pub struct InstanceReport {
     /// The instance's index (its router worker id).
     pub instance: usize,
     /// `unified`, `prefill` or `decode`.
-    pub pool: &'static str,
+    pub pool: Pool,
     /// Requests routed to it.
     pub requests: usize,
     /// Of those, completed.
@@ -144,8 +132,9 @@ pub struct Report {
     pub instances: usize,
     /// Router replicas per pool.
     pub routers: usize,
-    /// The routing policy.
-    pub routing: String,
+    /// The routing policy (its name in JSON).
+    #[serde(serialize_with = "policy_name")]
+    pub routing: Policy,
     /// The `kv` policy's overlap weight.
     pub overlap_weight: f64,
     /// Where the content came from, e.g. `prefix pool: 8 prefixes`.
@@ -198,26 +187,18 @@ pub struct Report {
     pub pd: Option<PdReport>,
 }
 
-fn ratio(a: f64, b: f64) -> f64 {
-    if b > 0.0 {
-        a / b
-    } else {
-        0.0
-    }
-}
-
 impl Report {
-    pub(crate) fn build(cfg: &SimConfig, content: String, c: Collected) -> Self {
+    pub(crate) fn build(cfg: &SimConfig, content: String, c: Records) -> Self {
         let bs = cfg.block_size.get();
-        let done: Vec<&Req> = c.reqs.iter().filter(|r| !r.rejected).collect();
+        let done: Vec<&RequestRecord> = c.requests.iter().filter(|r| !r.rejected).collect();
         let makespan_us = done.iter().map(|r| r.finish).max().unwrap_or(0);
         let makespan_s = makespan_us as f64 / 1e6;
         // On a decode engine a request's "hits" are the blocks it did not need transferred.
-        let on = |r: &Req, i: usize, pool: Pool| match pool {
+        let on = |r: &RequestRecord, i: usize, pool: Pool| match pool {
             Pool::Decode => r.decode_engine == Some(i),
             _ => r.engine == i,
         };
-        let hits_on = |r: &Req, pool: Pool| {
+        let hits_on = |r: &RequestRecord, pool: Pool| {
             if pool == Pool::Decode {
                 r.decode_hits
             } else {
@@ -226,35 +207,26 @@ impl Report {
         };
         let mut per = Vec::with_capacity(c.engines.len());
         for (i, eng) in c.engines.iter().enumerate() {
-            let mine: Vec<&&Req> = done.iter().filter(|r| on(r, i, eng.pool)).collect();
+            let mine: Vec<&&RequestRecord> = done.iter().filter(|r| on(r, i, eng.pool)).collect();
             let hits = mine.iter().filter(|r| hits_on(r, eng.pool) > 0).count();
             let cached: usize = mine.iter().map(|r| hits_on(r, eng.pool)).sum();
             let prompt: usize = mine.iter().map(|r| r.prompt_blocks).sum();
             per.push(InstanceReport {
                 instance: i,
-                pool: match eng.pool {
-                    Pool::Unified => "unified",
-                    Pool::Prefill => "prefill",
-                    Pool::Decode => "decode",
-                },
-                requests: c.reqs.iter().filter(|r| on(r, i, eng.pool)).count(),
+                pool: eng.pool,
+                requests: c.requests.iter().filter(|r| on(r, i, eng.pool)).count(),
                 completed: mine.len(),
                 hit_rate: ratio(hits as f64, mine.len() as f64),
                 block_reuse: ratio(cached as f64, prompt as f64),
-                evictions: eng.cache.stats().evictions,
-                resident_blocks: eng.cache.len(),
+                evictions: eng.evictions,
+                resident_blocks: eng.resident_blocks,
                 busy_fraction: ratio(eng.busy_us as f64, makespan_us as f64),
             });
         }
-        let pool = |name: &str, weight: f64| {
-            let mine: Vec<&InstanceReport> = per.iter().filter(|p| p.pool == name).collect();
+        let pool = |pool: Pool, weight: f64| {
+            let mine: Vec<&InstanceReport> = per.iter().filter(|p| p.pool == pool).collect();
             let reqs: usize = mine.iter().map(|p| p.requests).sum();
-            let pool = match name {
-                "decode" => Pool::Decode,
-                "prefill" => Pool::Prefill,
-                _ => Pool::Unified,
-            };
-            let served: Vec<&&Req> = done
+            let served: Vec<&&RequestRecord> = done
                 .iter()
                 .filter(|r| pool != Pool::Decode || r.decode_engine.is_some())
                 .collect();
@@ -288,11 +260,11 @@ impl Report {
         };
         let pd = cfg.disaggregated().then(|| PdReport {
             prefill: pool(
-                "prefill",
+                Pool::Prefill,
                 cfg.prefill_overlap_weight.unwrap_or(cfg.overlap_weight),
             ),
             decode: pool(
-                "decode",
+                Pool::Decode,
                 cfg.decode_overlap_weight.unwrap_or(cfg.overlap_weight),
             ),
             prefill_queue_ms: Summary::from_us(done.iter().map(|r| r.scheduled - r.arrival)),
@@ -300,7 +272,11 @@ impl Report {
         });
         // The headline figures are the prefill side's: a hit there is prefill compute skipped.
         let front = pool(
-            if pd.is_some() { "prefill" } else { "unified" },
+            if pd.is_some() {
+                Pool::Prefill
+            } else {
+                Pool::Unified
+            },
             cfg.overlap_weight,
         );
         let load_balance = match &pd {
@@ -313,15 +289,15 @@ impl Report {
         Report {
             instances: c.engines.len(),
             routers: cfg.routers,
-            routing: cfg.routing.to_string(),
+            routing: cfg.routing,
             overlap_weight: cfg.overlap_weight,
             content,
             block_size: bs,
             capacity_per_instance: cfg.kv_blocks,
             seed: cfg.seed,
-            requests: c.reqs.len(),
+            requests: c.requests.len(),
             completed: done.len(),
-            rejected: c.reqs.len() - done.len(),
+            rejected: c.requests.len() - done.len(),
             evictions: per.iter().map(|p| p.evictions).sum(),
             block_reuse: front.block_reuse,
             request_hit_rate: front.request_hit_rate,
@@ -483,20 +459,5 @@ impl Report {
     /// The report as one pretty-printed JSON document.
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn nearest_rank_percentiles() {
-        let s = Summary::from_us((1..=100).map(|x| x * 1000));
-        assert_eq!((s.p50, s.p90, s.p99, s.mean), (50.0, 90.0, 99.0, 50.5));
-        let mut w = vec![(2000, 1), (1000, 3)];
-        let s = Summary::weighted(&mut w);
-        assert_eq!((s.p50, s.p99, s.mean), (1.0, 2.0, 1.25));
-        assert_eq!(Summary::from_us(std::iter::empty()), Summary::default());
     }
 }

@@ -1,20 +1,19 @@
-//! The discrete-event engine: arrivals, routing, continuous batching, KV events.
+//! The discrete-event loop: arrivals, routing, engine steps and transfers in simulated time,
+//! and the delivery of the engines' KV events to the routers.
 
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::BinaryHeap;
 use std::sync::Arc;
 
-use kvblock::{BlockHash, BlockSize};
-use kvcache::{BlockCache, KvEvent, WorkerId};
-use kvroute::{RequestId, Role, Router};
+use kvblock::BlockHash;
+use kvcache::KvEvent;
 
 use crate::config::SimConfig;
-use crate::report::{Collected, Report};
-use crate::timing::{StepShape, TimingModel};
+use crate::engine::{EngineRequest, Outcome, Pool};
+use crate::error::Error;
+use crate::fleet::Fleet;
+use crate::report::{EngineRecord, Records, Report, RequestRecord};
+use crate::timing::TimingModel;
 use crate::workload::{RequestSpec, Workload};
-use crate::Error;
-#[cfg(test)]
-use kvroute::Policy;
 
 /// A configured simulation. [`run`](Self::run) may be called any number of times and gives the
 /// same report each time.
@@ -71,7 +70,7 @@ impl Simulation {
     pub fn run_with_progress(&self, progress: &mut dyn FnMut(usize)) -> Result<Report, Error> {
         let workload = Workload::new(&self.cfg);
         let content = workload.describe();
-        let mut run = Run::new(&self.cfg, self.timing.as_ref(), workload)?;
+        let mut run = Run::new(&self.cfg, &self.timing, workload)?;
         run.simulate(progress);
         Ok(Report::build(&self.cfg, content, run.collect()))
     }
@@ -110,222 +109,50 @@ impl Ord for Event {
     }
 }
 
-/// What an engine does with a request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Pool {
-    /// Prefill and decode (the default fleet).
-    Unified,
-    /// Prefill only; the KV then moves to a decode engine.
-    Prefill,
-    /// Decode only, from KV that arrived from a prefill engine.
-    Decode,
-}
-
-/// One request's life.
+/// One request's life, as the loop follows it across engines and routers.
 #[derive(Debug, Clone)]
-pub(crate) struct Req {
-    pub(crate) arrival: u64,
-    pub(crate) input: usize,
-    pub(crate) output: usize,
-    blocks: Vec<BlockHash>,
-    pub(crate) prompt_blocks: usize,
-    /// The engine that prefills it (unified or prefill pool).
-    pub(crate) engine: usize,
-    /// Leading prompt blocks resident on `engine` when it was scheduled (engine truth).
-    pub(crate) hits: usize,
-    /// The decode engine, when disaggregated.
-    pub(crate) decode_engine: Option<usize>,
-    /// Leading prompt blocks already on the decode engine when the transfer started.
-    pub(crate) decode_hits: usize,
+struct Req {
+    rec: RequestRecord,
+    /// The router replica that routed it to its first engine.
     router: usize,
+    /// The decode router replica, when disaggregated.
     decode_router: usize,
-    prefill_left: usize,
-    /// Blocks the request occupies on the engine it is on now.
-    mem_blocks: usize,
-    decoding: bool,
-    /// When the prefill engine scheduled it.
-    pub(crate) scheduled: u64,
-    pub(crate) transfer_us: u64,
-    pub(crate) first_token: u64,
-    pub(crate) finish: u64,
-    pub(crate) rejected: bool,
-}
-
-#[derive(Debug)]
-pub(crate) struct Engine {
-    pub(crate) pool: Pool,
-    pub(crate) cache: BlockCache,
-    total: Option<usize>,
-    /// Blocks held by running requests outside the cache (their unique and output blocks).
-    private: usize,
-    waiting: VecDeque<usize>,
-    prefilling: VecDeque<usize>,
-    decoding: usize,
-    context: u64,
-    finishing: BinaryHeap<Reverse<(u64, usize)>>,
-    steps: u64,
-    busy: bool,
-    chunks: Vec<(usize, usize)>,
-    step_decode: usize,
-    next_event_id: u64,
-    pub(crate) busy_us: u64,
-}
-
-impl Engine {
-    fn new(pool: Pool, total: Option<usize>) -> Self {
-        Engine {
-            pool,
-            cache: BlockCache::new(None),
-            total,
-            private: 0,
-            waiting: VecDeque::new(),
-            prefilling: VecDeque::new(),
-            decoding: 0,
-            context: 0,
-            finishing: BinaryHeap::new(),
-            steps: 0,
-            busy: false,
-            chunks: Vec::new(),
-            step_decode: 0,
-            next_event_id: 0,
-            busy_us: 0,
-        }
-    }
-
-    fn running(&self) -> usize {
-        self.prefilling.len() + self.decoding
-    }
-
-    /// Gives the cache whatever the running requests do not hold privately.
-    fn resize_cache(&mut self, extra_private: usize) -> bool {
-        match self.total {
-            None => true,
-            Some(total) => match total.checked_sub(self.private + extra_private) {
-                Some(room) => self.cache.set_capacity(Some(room)).is_ok(),
-                None => false,
-            },
-        }
-    }
-
-    fn fits(&self, blocks: usize) -> bool {
-        self.total.is_none_or(|t| blocks <= t)
-    }
-}
-
-/// Router replicas of one pool; engine events go to all of them.
-struct Routers {
-    replicas: Vec<Router>,
-    next: usize,
-    role: Role,
-}
-
-impl Routers {
-    fn new(cfg: &SimConfig, role: Role, workers: std::ops::Range<usize>) -> Result<Self, Error> {
-        let replicas = (0..cfg.routers)
-            .map(|r| {
-                let mut b = Router::builder()
-                    .block_size(cfg.block_size)
-                    .policy(cfg.routing)
-                    .overlap_weight(cfg.overlap_weight)
-                    .prefix_blocks(cfg.prefix_aware_blocks)
-                    // Replica 0 uses the run's seed, so one replica is exactly the plain run.
-                    .seed(
-                        cfg.seed
-                            .wrapping_add((r as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)),
-                    );
-                if let Some(w) = cfg.prefill_overlap_weight {
-                    b = b.prefill_overlap_weight(w);
-                }
-                if let Some(w) = cfg.decode_overlap_weight {
-                    b = b.decode_overlap_weight(w);
-                }
-                let mut router = b.build()?;
-                for w in workers.clone() {
-                    router.add_worker(WorkerId::new(w as u64));
-                }
-                Ok(router)
-            })
-            .collect::<Result<Vec<_>, Error>>()?;
-        Ok(Routers {
-            replicas,
-            next: 0,
-            role,
-        })
-    }
-
-    /// Routes with the next replica in turn; returns (replica, engine).
-    fn route(&mut self, id: usize, blocks: &[BlockHash]) -> Result<(usize, usize), kvroute::Error> {
-        let r = self.next;
-        self.next = (self.next + 1) % self.replicas.len();
-        let d = self.replicas[r].route(RequestId::new(id as u64), blocks, self.role)?;
-        Ok((r, d.worker.get() as usize))
-    }
+    /// Its prompt blocks while its KV travels to the decode engine.
+    in_transit: Vec<BlockHash>,
 }
 
 struct Run<'a> {
     cfg: &'a SimConfig,
-    block_size: BlockSize,
-    timing: &'a dyn TimingModel,
-    /// Unified or prefill pool routers.
-    routers: Routers,
-    /// Decode pool routers, when disaggregated.
-    decode_routers: Option<Routers>,
+    fleet: Fleet,
     workload: Workload,
     pending: Option<RequestSpec>,
     queue: BinaryHeap<Event>,
     seq: u64,
     reqs: Vec<Req>,
-    engines: Vec<Engine>,
     /// (step duration, tokens it produced for decoding requests): ITL samples by weight.
     itl: Vec<(u64, u64)>,
     router_errors: u64,
-    inconsistent_inserts: u64,
+    outcomes: Vec<Outcome>,
     now: u64,
 }
 
 impl<'a> Run<'a> {
     fn new(
         cfg: &'a SimConfig,
-        timing: &'a dyn TimingModel,
+        timing: &Arc<dyn TimingModel>,
         workload: Workload,
     ) -> Result<Self, Error> {
-        let (engines, routers, decode_routers) = match (cfg.prefill_instances, cfg.decode_instances)
-        {
-            (Some(p), Some(d)) => {
-                let engines = (0..p)
-                    .map(|_| Engine::new(Pool::Prefill, cfg.kv_blocks))
-                    .chain((0..d).map(|_| Engine::new(Pool::Decode, cfg.kv_blocks)))
-                    .collect();
-                let prefill = Routers::new(cfg, Role::Prefill, 0..p)?;
-                let decode = Routers::new(cfg, Role::Decode, p..p + d)?;
-                (engines, prefill, Some(decode))
-            }
-            _ => {
-                let engines = (0..cfg.instances)
-                    .map(|_| Engine::new(Pool::Unified, cfg.kv_blocks))
-                    .collect();
-                (
-                    engines,
-                    Routers::new(cfg, Role::Unified, 0..cfg.instances)?,
-                    None,
-                )
-            }
-        };
         Ok(Run {
             cfg,
-            block_size: cfg.block_size,
-            timing,
-            routers,
-            decode_routers,
+            fleet: Fleet::new(cfg, timing)?,
             workload,
             pending: None,
             queue: BinaryHeap::new(),
             seq: 0,
             reqs: Vec::with_capacity(cfg.request_count().min(1 << 20)),
-            engines,
             itl: Vec::new(),
             router_errors: 0,
-            inconsistent_inserts: 0,
+            outcomes: Vec::new(),
             now: 0,
         })
     }
@@ -372,299 +199,165 @@ impl<'a> Run<'a> {
             return;
         };
         let id = self.reqs.len();
-        let (router, engine) = match self.routers.route(id, &spec.blocks) {
+        let (router, engine) = match self.fleet.routers.route(id, &spec.blocks) {
             Ok(x) => x,
             Err(_) => {
                 self.router_errors += 1;
                 (0, 0)
             }
         };
-        let disaggregated = self.engines[engine].pool == Pool::Prefill;
-        // A prefill engine holds only the prompt; otherwise the output's blocks too.
-        let mem_tokens = if disaggregated {
-            spec.input_len
-        } else {
-            spec.input_len + spec.output_len
-        };
-        let mem_blocks = self.block_size.blocks_for(mem_tokens);
-        let rejected = !self.engines[engine].fits(mem_blocks);
         self.reqs.push(Req {
-            arrival: self.now,
-            input: spec.input_len,
-            output: spec.output_len,
-            prompt_blocks: spec.blocks.len(),
-            blocks: spec.blocks,
-            engine,
-            hits: 0,
-            decode_engine: None,
-            decode_hits: 0,
+            rec: RequestRecord {
+                arrival: self.now,
+                input: spec.input_len,
+                output: spec.output_len,
+                prompt_blocks: spec.blocks.len(),
+                engine,
+                hits: 0,
+                decode_engine: None,
+                decode_hits: 0,
+                scheduled: 0,
+                transfer_us: 0,
+                first_token: 0,
+                finish: 0,
+                rejected: false,
+            },
             router,
             decode_router: 0,
-            prefill_left: spec.input_len,
-            mem_blocks,
-            decoding: false,
-            scheduled: 0,
-            transfer_us: 0,
-            first_token: 0,
-            finish: 0,
-            rejected,
+            in_transit: Vec::new(),
         });
-        if rejected {
-            // It can never fit on this engine: count it and release the router's load.
-            self.release_router(id, Pool::Unified);
-            self.reqs[id].blocks = Vec::new();
+        let req = EngineRequest::new(id as u64, spec.blocks, spec.input_len, spec.output_len);
+        if self.fleet.engines[engine].submit(req) {
+            if !self.fleet.engines[engine].is_busy() {
+                self.start_step(engine);
+            }
         } else {
-            self.enqueue(engine, id);
+            // It can never fit on this engine: count it and release the router's load.
+            self.reqs[id].rec.rejected = true;
+            self.release_router(id, Pool::Unified);
         }
         self.schedule_next_arrival();
-    }
-
-    fn enqueue(&mut self, e: usize, r: usize) {
-        self.engines[e].waiting.push_back(r);
-        if !self.engines[e].busy {
-            self.start_step(e);
-        }
     }
 
     /// Releases the request's load in the router that routed it on the given side.
     fn release_router(&mut self, r: usize, side: Pool) {
         let req = &self.reqs[r];
-        let done = match (side, &mut self.decode_routers) {
-            (Pool::Decode, Some(d)) => {
-                d.replicas[req.decode_router].finish(RequestId::new(r as u64))
-            }
-            _ => self.routers.replicas[req.router].finish(RequestId::new(r as u64)),
+        let done = match (side, &mut self.fleet.decode_routers) {
+            (Pool::Decode, Some(d)) => d.finish(req.decode_router, r),
+            _ => self.fleet.routers.finish(req.router, r),
         };
         if done.is_err() {
             self.router_errors += 1;
         }
     }
 
-    /// Schedules a waiting request if memory allows: pins its cached run and reserves the rest.
-    fn admit(&mut self, e: usize, r: usize) -> bool {
-        let req = &self.reqs[r];
-        let eng = &mut self.engines[e];
-        // The leading run resident now (engine truth), pinned so it stays while the request runs.
-        let hits = eng.cache.pin(&req.blocks);
-        let need = req.mem_blocks - hits;
-        if !eng.resize_cache(need) {
-            eng.cache.unpin(&req.blocks[..hits]);
-            return false;
-        }
-        if eng.total.is_some() {
-            eng.private += need;
-        }
-        let pool = eng.pool;
-        let req = &mut self.reqs[r];
-        if pool == Pool::Decode {
-            // The prompt's KV arrived by transfer: it becomes resident now and decoding starts.
-            self.store_prompt(r, hits);
-            self.start_decoding(r);
-            return true;
-        }
-        // A full hit still computes the last prompt token, to produce the first output token.
-        let cached_tokens = (hits * self.block_size.get()).min(req.input.saturating_sub(1));
-        req.hits = hits;
-        req.scheduled = self.now;
-        req.prefill_left = req.input - cached_tokens;
-        self.engines[e].prefilling.push_back(r);
-        true
-    }
-
+    /// Admits what fits on engine `e` and, unless it has nothing to run, starts its next step.
     fn start_step(&mut self, e: usize) {
-        loop {
-            let eng = &self.engines[e];
-            let Some(&r) = eng.waiting.front() else { break };
-            if eng.running() >= self.cfg.max_num_seqs || !self.admit(e, r) {
-                break;
-            }
-            self.engines[e].waiting.pop_front();
-        }
+        self.fleet.engines[e].admit();
+        self.handle_outcomes(e);
         self.flush_events(e);
-        let eng = &mut self.engines[e];
-        if eng.prefilling.is_empty() && eng.decoding == 0 {
-            return;
-        }
-        let mut budget = self.cfg.max_batched_tokens.saturating_sub(eng.decoding);
-        let mut prefill_tokens = 0;
-        eng.chunks.clear();
-        for &r in &eng.prefilling {
-            if budget == 0 {
-                break;
+        if let Some(step) = self.fleet.engines[e].plan_step() {
+            if step.shape.decode_requests > 0 {
+                self.itl
+                    .push((step.duration_us, step.shape.decode_requests));
             }
-            let chunk = self.reqs[r].prefill_left.min(budget);
-            eng.chunks.push((r, chunk));
-            budget -= chunk;
-            prefill_tokens += chunk;
+            self.push(self.now.saturating_add(step.duration_us), Kind::StepDone(e));
         }
-        eng.step_decode = eng.decoding;
-        let shape = StepShape::new(prefill_tokens as u64, eng.decoding as u64, eng.context);
-        let dur = self.timing.step_us(&shape).max(1);
-        eng.busy = true;
-        eng.busy_us += dur;
-        if eng.decoding > 0 {
-            self.itl.push((dur, eng.decoding as u64));
-        }
-        self.push(self.now.saturating_add(dur), Kind::StepDone(e));
     }
 
     fn step_done(&mut self, e: usize) {
-        let now = self.now;
-        let eng = &mut self.engines[e];
-        eng.busy = false;
-        eng.steps += 1;
-        // Every request that was decoding in this step produced one token.
-        eng.context += eng.step_decode as u64;
-        loop {
-            let eng = &mut self.engines[e];
-            match eng.finishing.peek() {
-                Some(&Reverse((step, r))) if step <= eng.steps => {
-                    eng.finishing.pop();
-                    self.finish(r, now);
-                }
-                _ => break,
-            }
+        self.fleet.engines[e].finish_step();
+        // The property tests check the engine's invariants after every step.
+        #[cfg(test)]
+        if let Err(broken) = self.fleet.engines[e].check_invariants() {
+            panic!(
+                "engine {e} after step {}: {broken}",
+                self.fleet.engines[e].steps()
+            );
         }
-        let eng = &mut self.engines[e];
-        for i in 0..eng.chunks.len() {
-            let (r, chunk) = eng.chunks[i];
-            self.reqs[r].prefill_left -= chunk;
-        }
-        // Chunks go to the queue's front first, so completed prefills are a prefix of it.
-        while let Some(&r) = self.engines[e].prefilling.front() {
-            if self.reqs[r].prefill_left > 0 {
-                break;
-            }
-            self.engines[e].prefilling.pop_front();
-            self.prefill_done(r, now);
-        }
+        self.handle_outcomes(e);
         self.flush_events(e);
         self.start_step(e);
     }
 
-    /// Makes the prompt's full blocks resident on the request's current engine and pins the
-    /// ones that were not pinned at admission; the blocks reserved for them move into the cache.
-    fn store_prompt(&mut self, r: usize, hits: usize) {
-        let req = &self.reqs[r];
-        let e = req.decode_engine.unwrap_or(req.engine);
-        let eng = &mut self.engines[e];
-        if eng.total.is_some() {
-            eng.private -= req.prompt_blocks - hits;
-            eng.resize_cache(0);
+    /// Stamps what engine `e` reports with the current time and moves requests on.
+    fn handle_outcomes(&mut self, e: usize) {
+        let mut out = std::mem::take(&mut self.outcomes);
+        self.fleet.engines[e].take_outcomes(&mut out);
+        let pool = self.fleet.engines[e].config().pool;
+        let now = self.now;
+        for o in out.drain(..) {
+            match o {
+                // A decode engine's hits are counted when the transfer starts.
+                Outcome::Admitted { id, cached_blocks } if pool != Pool::Decode => {
+                    let rec = &mut self.reqs[id as usize].rec;
+                    rec.hits = cached_blocks;
+                    rec.scheduled = now;
+                }
+                Outcome::FirstToken { id } => self.reqs[id as usize].rec.first_token = now,
+                Outcome::PrefillDone { id, blocks } => self.hand_over(id as usize, blocks),
+                Outcome::Finished { id } => {
+                    self.reqs[id as usize].rec.finish = now;
+                    self.release_router(id as usize, pool);
+                }
+                _ => {}
+            }
         }
-        if eng.cache.insert(&req.blocks).is_err() {
-            self.inconsistent_inserts += 1;
-        }
-        eng.cache.pin(&req.blocks[hits..]);
+        self.outcomes = out;
     }
 
-    /// The prompt is computed and the first token produced.
-    fn prefill_done(&mut self, r: usize, now: u64) {
-        let hits = self.reqs[r].hits;
-        self.store_prompt(r, hits);
-        let e = self.reqs[r].engine;
-        if self.engines[e].pool == Pool::Prefill {
-            self.hand_over(r, now);
-            return;
-        }
-        self.reqs[r].first_token = now;
-        if self.reqs[r].output <= 1 {
-            self.finish(r, now);
-        } else {
-            self.start_decoding(r);
-        }
-    }
-
-    fn start_decoding(&mut self, r: usize) {
-        let req = &mut self.reqs[r];
-        if req.output <= 1 {
-            req.first_token = self.now;
-            self.finish(r, self.now);
-            return;
-        }
-        req.decoding = true;
-        if req.decode_engine.is_some() {
-            req.first_token = self.now;
-        }
-        let (input, output) = (req.input, req.output);
-        let eng = &mut self.engines[req.decode_engine.unwrap_or(req.engine)];
-        eng.decoding += 1;
-        eng.context += (input + 1) as u64;
-        eng.finishing
-            .push(Reverse((eng.steps + (output as u64 - 1), r)));
-    }
-
-    /// Disaggregated: the prefill engine lets go of the request, a decode engine is routed with
-    /// the decode role's weight, and the KV it lacks is sent over.
-    fn hand_over(&mut self, r: usize, now: u64) {
-        let req = &self.reqs[r];
-        let eng = &mut self.engines[req.engine];
-        eng.cache.unpin(&req.blocks);
-        if eng.total.is_some() {
-            eng.private -= req.mem_blocks - req.prompt_blocks;
-            eng.resize_cache(0);
-        }
+    /// Disaggregated: the prefill engine has let go of the request; a decode engine is routed
+    /// with the decode role's weight, and the KV it lacks is sent over.
+    fn hand_over(&mut self, r: usize, blocks: Vec<BlockHash>) {
         self.release_router(r, Pool::Prefill);
-        let Some(decode) = self.decode_routers.as_mut() else {
+        let Some(decode) = self.fleet.decode_routers.as_mut() else {
             return;
         };
-        let (router, d) = match decode.route(r, &self.reqs[r].blocks) {
+        let (router, d) = match decode.route(r, &blocks) {
             Ok(x) => x,
             Err(_) => {
                 self.router_errors += 1;
                 return;
             }
         };
-        let bs = self.block_size.get();
+        let bs = self.cfg.block_size.get();
+        let decode_hits = self.fleet.engines[d].cache().match_len(&blocks);
         let req = &mut self.reqs[r];
         req.decode_router = router;
-        req.decode_engine = Some(d);
-        req.decode_hits = self.engines[d].cache.match_len(&req.blocks);
-        let sent_tokens = req.input - (req.decode_hits * bs).min(req.input);
+        req.rec.decode_engine = Some(d);
+        req.rec.decode_hits = decode_hits;
+        req.in_transit = blocks;
+        let input = req.rec.input;
+        let sent_tokens = input - (decode_hits * bs).min(input);
         let bits = sent_tokens as f64 * self.cfg.kv_bytes_per_token as f64 * 8.0;
         let transfer = (bits / (self.cfg.pd_transfer_gbps * 1e3)).round() as u64
             + self.cfg.pd_transfer_latency_us;
-        req.transfer_us = transfer;
-        req.mem_blocks = self.block_size.blocks_for(req.input + req.output);
-        self.push(now.saturating_add(transfer), Kind::TransferDone(r));
+        req.rec.transfer_us = transfer;
+        self.push(self.now.saturating_add(transfer), Kind::TransferDone(r));
     }
 
     fn transfer_done(&mut self, r: usize) {
-        let Some(d) = self.reqs[r].decode_engine else {
+        let req = &mut self.reqs[r];
+        let Some(d) = req.rec.decode_engine else {
             return;
         };
-        if self.engines[d].fits(self.reqs[r].mem_blocks) {
-            self.enqueue(d, r);
+        let blocks = std::mem::take(&mut req.in_transit);
+        let er = EngineRequest::new(r as u64, blocks, req.rec.input, req.rec.output);
+        if self.fleet.engines[d].submit(er) {
+            if !self.fleet.engines[d].is_busy() {
+                self.start_step(d);
+            }
         } else {
-            self.reqs[r].rejected = true;
-            self.reqs[r].blocks = Vec::new();
+            self.reqs[r].rec.rejected = true;
             self.release_router(r, Pool::Decode);
         }
     }
 
-    fn finish(&mut self, r: usize, now: u64) {
-        let req = &mut self.reqs[r];
-        req.finish = now;
-        let eng = &mut self.engines[req.decode_engine.unwrap_or(req.engine)];
-        if std::mem::take(&mut req.decoding) {
-            eng.decoding -= 1;
-            eng.context -= (req.input + req.output) as u64;
-        }
-        eng.cache.unpin(&req.blocks);
-        if eng.total.is_some() {
-            eng.private -= req.mem_blocks - req.prompt_blocks;
-            eng.resize_cache(0);
-        }
-        req.blocks = Vec::new();
-        let side = eng.pool;
-        self.release_router(r, side);
-    }
-
     fn flush_events(&mut self, e: usize) {
-        if self.engines[e].cache.pending_events() == 0 {
+        if self.fleet.engines[e].pending_events() == 0 {
             return;
         }
-        let events: Vec<KvEvent> = self.engines[e].cache.drain_events().collect();
+        let events: Vec<KvEvent> = self.fleet.engines[e].drain_events().collect();
         if self.cfg.event_delay_us == 0 {
             self.deliver(e, &events);
         } else {
@@ -677,31 +370,28 @@ impl<'a> Run<'a> {
 
     /// Applies an engine's events to every router replica of its pool, with the same ids.
     fn deliver(&mut self, e: usize, events: &[KvEvent]) {
-        let routers = match (self.engines[e].pool, &mut self.decode_routers) {
-            (Pool::Decode, Some(d)) => d,
-            _ => &mut self.routers,
-        };
-        let first = self.engines[e].next_event_id;
-        for router in &mut routers.replicas {
-            for (k, ev) in events.iter().enumerate() {
-                if router
-                    .apply_event(WorkerId::new(e as u64), first + k as u64, ev)
-                    .is_err()
-                {
-                    self.router_errors += 1;
-                }
-            }
-        }
-        self.engines[e].next_event_id += events.len() as u64;
+        let pool = self.fleet.engines[e].config().pool;
+        let first = self.fleet.next_event_id[e];
+        self.router_errors += self.fleet.routers_of(pool).deliver(e, first, events);
+        self.fleet.next_event_id[e] += events.len() as u64;
     }
 
-    fn collect(self) -> Collected {
-        Collected {
-            reqs: self.reqs,
-            engines: self.engines,
+    fn collect(self) -> Records {
+        let engines = &self.fleet.engines;
+        Records {
+            engines: engines
+                .iter()
+                .map(|e| EngineRecord {
+                    pool: e.config().pool,
+                    evictions: e.cache().stats().evictions,
+                    resident_blocks: e.cache().len(),
+                    busy_us: e.busy_us(),
+                })
+                .collect(),
+            inconsistent_inserts: engines.iter().map(|e| e.inconsistent_inserts()).sum(),
+            requests: self.reqs.into_iter().map(|r| r.rec).collect(),
             itl: self.itl,
             router_errors: self.router_errors,
-            inconsistent_inserts: self.inconsistent_inserts,
         }
     }
 }
@@ -710,28 +400,27 @@ impl<'a> Run<'a> {
 mod tests {
     use super::*;
     use crate::timing::LinearTiming;
+    use kvblock::BlockSize;
+    use kvroute::Policy;
     use proptest::prelude::*;
 
-    fn finished_run(cfg: &SimConfig) -> (Collected, Vec<Router>, Vec<(usize, usize)>) {
-        let timing = LinearTiming::default();
+    fn finished_run(cfg: &SimConfig) -> (Records, Vec<kvroute::Router>, Vec<(usize, usize)>) {
+        let timing: Arc<dyn TimingModel> = Arc::new(LinearTiming::default());
         let mut run = Run::new(cfg, &timing, Workload::new(cfg)).unwrap();
         run.simulate(&mut |_| {});
         let leftovers = run
+            .fleet
             .engines
             .iter()
-            .map(|e| (e.private, e.cache.pinned_blocks()))
+            .map(|e| (e.reserved_blocks(), e.cache().pinned_blocks()))
             .collect();
-        for e in &run.engines {
-            e.cache.check_invariants().unwrap();
-            assert!(
-                e.waiting.is_empty()
-                    && e.prefilling.is_empty()
-                    && e.decoding == 0
-                    && e.context == 0
-            );
+        for e in &run.fleet.engines {
+            e.check_invariants().unwrap();
+            assert!(e.is_idle() && !e.is_busy());
         }
-        let routers = run.routers.replicas.clone();
+        let routers = run.fleet.routers.replicas.clone();
         let decode = run
+            .fleet
             .decode_routers
             .as_ref()
             .map(|d| d.replicas.clone())
@@ -765,7 +454,7 @@ mod tests {
         };
         let (c, _, _) = finished_run(&cfg);
         let order: Vec<(usize, usize, u64)> = c
-            .reqs
+            .requests
             .iter()
             .map(|r| (r.input, r.engine, r.arrival))
             .collect();
@@ -814,20 +503,20 @@ mod tests {
             };
             cfg.validate().unwrap();
             let (c, routers, leftovers) = finished_run(&cfg);
-            prop_assert!(c.reqs.iter().all(|r| r.rejected || (r.finish >= r.first_token && r.first_token > r.arrival)));
+            prop_assert!(c.requests.iter().all(|r| r.rejected || (r.finish >= r.first_token && r.first_token > r.arrival)));
             prop_assert!(leftovers.iter().all(|&l| l == (0, 0)), "{:?}", leftovers);
             prop_assert_eq!(c.router_errors + c.inconsistent_inserts, 0);
             for router in &routers {
                 prop_assert_eq!(router.in_flight_total(), 0);
                 for w in router.workers() {
-                    prop_assert_eq!(router.cache_view(w), c.engines[w.get() as usize].cache.len());
+                    prop_assert_eq!(router.cache_view(w), c.engines[w.get() as usize].resident_blocks);
                 }
             }
             let pools: usize = routers.iter().map(|r| r.workers().len()).sum();
             prop_assert_eq!(pools, c.engines.len() * cfg.routers);
             for e in &c.engines {
                 if let Some(k) = kv {
-                    prop_assert!(e.cache.len() <= k);
+                    prop_assert!(e.resident_blocks <= k);
                 }
             }
         }

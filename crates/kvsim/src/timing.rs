@@ -1,6 +1,6 @@
 //! How long an engine step takes.
 
-use crate::Error;
+use crate::error::Error;
 
 /// What an engine computes in one step: the input of a [`TimingModel`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -99,10 +99,10 @@ impl LinearTiming {
     /// Every coefficient must be finite and >= 0.
     pub fn validate(&self) -> Result<(), Error> {
         for (flag, v) in [
-            ("--timing-base-us", self.base_us),
-            ("--timing-prefill-us", self.prefill_us_per_token),
-            ("--timing-decode-us", self.decode_us_per_request),
-            ("--timing-context-us", self.context_us_per_token),
+            ("timing.base_us", self.base_us),
+            ("timing.prefill_us_per_token", self.prefill_us_per_token),
+            ("timing.decode_us_per_request", self.decode_us_per_request),
+            ("timing.context_us_per_token", self.context_us_per_token),
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(Error::invalid(flag, v, "a finite number >= 0"));

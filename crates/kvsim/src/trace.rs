@@ -1,13 +1,16 @@
 //! Mooncake-format request traces: loading, validation and statistics.
 
 use std::collections::{HashMap, HashSet};
-use std::fmt;
 use std::path::Path;
 
 use kvblock::{BlockHash, BlockSize};
 use serde_json::Value;
 
-use crate::config::MAX_TOKENS;
+use crate::error::{Error, TraceError};
+use crate::stats::nearest_rank;
+
+/// Prompt and output lengths above this many tokens are refused (a trace refuses them too).
+pub const MAX_TOKENS: usize = 1 << 24;
 
 /// One request of a trace.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,30 +28,6 @@ pub struct TraceRequest {
     /// The id of a partial last block, if the trace gave one (not cacheable).
     pub partial: Option<BlockHash>,
 }
-
-/// A malformed trace: the file, the 1-based line and what is wrong.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct TraceError {
-    /// The file as given.
-    pub file: String,
-    /// The 1-based line (0 when the file could not be read at all).
-    pub line: usize,
-    /// What is wrong.
-    pub what: String,
-}
-
-impl fmt::Display for TraceError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.line == 0 {
-            write!(f, "{}: {}", self.file, self.what)
-        } else {
-            write!(f, "{}:{}: {}", self.file, self.line, self.what)
-        }
-    }
-}
-
-impl std::error::Error for TraceError {}
 
 /// A request trace in the Mooncake JSONL format: one JSON object per line with `timestamp`
 /// (ms), `input_length`, `output_length` and `hash_ids` (prefix-chained ids of fixed-size token
@@ -80,8 +59,11 @@ pub struct Trace {
 }
 
 impl Trace {
+    /// Tokens per block of the Mooncake traces' hash ids.
+    pub const MOONCAKE_BLOCK_SIZE: usize = 512;
+
     /// Reads and checks a trace file whose ids name blocks of `block_size` tokens.
-    pub fn load(path: &Path, block_size: BlockSize) -> Result<Self, TraceError> {
+    pub fn load(path: &Path, block_size: BlockSize) -> Result<Self, Error> {
         let file = path.display().to_string();
         let text = std::fs::read_to_string(path).map_err(|e| TraceError {
             file: file.clone(),
@@ -92,11 +74,13 @@ impl Trace {
     }
 
     /// Parses and checks trace text; `name` is used in errors and reports.
-    pub fn parse(name: &str, text: &str, block_size: BlockSize) -> Result<Self, TraceError> {
-        let err = |line: usize, what: String| TraceError {
-            file: name.to_string(),
-            line,
-            what,
+    pub fn parse(name: &str, text: &str, block_size: BlockSize) -> Result<Self, Error> {
+        let err = |line: usize, what: String| {
+            Error::Trace(TraceError {
+                file: name.to_string(),
+                line,
+                what,
+            })
         };
         let mut requests = Vec::new();
         let mut first_ms: Option<f64> = None;
@@ -134,7 +118,7 @@ impl Trace {
                 ));
             }
             last_ms = ms;
-            let whole = |k: &str| -> Result<usize, TraceError> {
+            let whole = |k: &str| -> Result<usize, Error> {
                 let x = field(k)?;
                 x.as_u64()
                     .and_then(|n| usize::try_from(n).ok())
@@ -170,7 +154,7 @@ impl Trace {
                     line,
                     format!(
                         "{} hash_ids for input_length {input_len}: at most {allowed} blocks of {block_size} tokens \
-                         (is the trace's block size {block_size}? see --trace-block-size)",
+                         (are the trace's blocks {block_size} tokens?)",
                         ids.len()
                     ),
                 ));
@@ -306,7 +290,7 @@ impl Lengths {
         }
         v.sort_unstable();
         let at = |q: f64| {
-            let rank = crate::report::nearest_rank(q, v.len() as u64) as usize;
+            let rank = nearest_rank(q, v.len() as u64) as usize;
             v.get(rank - 1).copied().unwrap_or_default()
         };
         Lengths {

@@ -188,25 +188,25 @@ fn pd_settings_are_validated() {
     c.prefill_instances = Some(2);
     assert_eq!(
         Simulation::new(c.clone()).unwrap_err().to_string(),
-        "invalid --des-decode-instances unset: expected both --des-prefill-instances and --des-decode-instances, or neither"
+        "invalid decode_instances unset: expected both prefill_instances and decode_instances, or neither"
     );
     c.decode_instances = Some(0);
     assert!(Simulation::new(c.clone())
         .unwrap_err()
         .to_string()
-        .contains("--des-decode-instances 0"));
+        .contains("decode_instances 0"));
     c.decode_instances = Some(1);
     c.pd_transfer_gbps = 0.0;
     assert!(Simulation::new(c.clone())
         .unwrap_err()
         .to_string()
-        .contains("--pd-transfer-gbps 0"));
+        .contains("pd_transfer_gbps 0"));
     c.pd_transfer_gbps = 1.0;
     c.routers = 0;
     assert!(Simulation::new(c)
         .unwrap_err()
         .to_string()
-        .contains("--des-routers 0"));
+        .contains("routers 0"));
 }
 
 /// Scoring has one home, kvroute: the simulator routes both sides through `kvroute::Router` and

@@ -2,7 +2,6 @@
 //! real Mooncake traces when the shared data is present.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use kvblock::BlockSize;
 use kvsim::{ArrivalModel, Policy, SimConfig, Simulation, Trace, TraceTiming};
@@ -98,7 +97,10 @@ fn malformed_lines_name_file_line_and_problem() {
         let text = format!("{ok}\n{bad}\n{ok}");
         let e = Trace::parse("gen.jsonl", &text, bs(16)).unwrap_err();
         assert!(e.to_string().contains(expect), "{bad}: got {e}");
-        assert_eq!(e.line, 2);
+        match e {
+            kvsim::Error::Trace(t) => assert_eq!((t.file.as_str(), t.line), ("gen.jsonl", 2)),
+            other => panic!("not a trace error: {other:?}"),
+        }
     }
 }
 
@@ -123,7 +125,7 @@ fn block_size_must_match_the_trace() {
     let e = Simulation::new(cfg).unwrap_err().to_string();
     assert_eq!(
         e,
-        "invalid --des-block-size 64: expected the trace's block size 16 (its ids name 16-token blocks and cannot be re-blocked)"
+        "invalid block_size 64: expected the trace's block size 16 (its ids name 16-token blocks and cannot be re-blocked)"
     );
 }
 
@@ -138,157 +140,6 @@ fn speedup_and_request_count() {
     let quick = Simulation::new(fast).unwrap().run().unwrap();
     assert_eq!((slow.completed, quick.completed), (12, 5));
     assert!(quick.makespan_s < slow.makespan_s);
-}
-
-fn kvsim(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvsim"))
-        .args(args)
-        .output()
-        .expect("runs");
-    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
-    (
-        out.status.code().unwrap_or(-1),
-        text(&out.stdout),
-        text(&out.stderr),
-    )
-}
-
-fn temp_file(name: &str, text: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kvsim-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let p = dir.join(name);
-    std::fs::write(&p, text).unwrap();
-    p
-}
-
-#[test]
-fn cli_trace_errors_exit_2_with_file_and_line() {
-    let good = generated_trace(2, 3);
-    let bad = format!("{good}\n{{\"timestamp\": 99999, \"input_length\": -4, \"output_length\": 1, \"hash_ids\": []}}");
-    let p = temp_file("bad.jsonl", &bad);
-    let p = p.to_str().unwrap();
-    let (code, out, err) = kvsim(&["--trace", p, "--trace-block-size", "16"]);
-    assert_eq!(code, 2);
-    assert!(out.is_empty());
-    assert_eq!(
-        err.trim(),
-        format!("kvsim: {p}:7: input_length: expected a whole number from 0 to 16777216, got -4")
-    );
-    let g = temp_file("good.jsonl", &good);
-    let g = g.to_str().unwrap();
-    let (code, _, err) = kvsim(&[
-        "--trace",
-        g,
-        "--trace-block-size",
-        "16",
-        "--des-block-size",
-        "512",
-    ]);
-    assert_eq!(code, 2);
-    assert!(err.contains("cannot be re-blocked"), "{err}");
-    let (code, out, _) = kvsim(&[
-        "--trace",
-        g,
-        "--trace-block-size",
-        "16",
-        "--des-num-requests",
-        "4",
-    ]);
-    assert_eq!(code, 0);
-    assert!(
-        out.starts_with("  Fleet: 4 instance(s), routing=kv | trace: good.jsonl (4 requests)\n"),
-        "{out}"
-    );
-    let (code, out, _) = kvsim(&["trace-stats", g, "--trace-block-size", "16"]);
-    assert_eq!(code, 0);
-    assert!(
-        out.contains("Requests: 6") && out.contains("Ideal hit rate"),
-        "{out}"
-    );
-    let (code, _, err) = kvsim(&["trace-stats", "/nonexistent/trace.jsonl"]);
-    assert_eq!(code, 2);
-    assert!(
-        err.starts_with("kvsim: /nonexistent/trace.jsonl: cannot read"),
-        "{err}"
-    );
-}
-
-#[test]
-fn cli_sweep_rows_csv_json_and_plot() {
-    let csv = temp_file("sweep.csv", "");
-    let svg = temp_file("sweep.svg", "");
-    let (code, out, err) = kvsim(&[
-        "sweep",
-        "--param",
-        "des-overlap-weight=0,1,8",
-        "--des-num-requests",
-        "120",
-        "--des-block-size",
-        "512",
-        "--csv",
-        csv.to_str().unwrap(),
-        "--plot",
-        svg.to_str().unwrap(),
-    ]);
-    assert_eq!(code, 0, "{err}");
-    assert!(
-        out.starts_with(
-            "  Sweep of des-overlap-weight over 3 value(s) | Fleet: 4 instance(s), routing=kv"
-        ),
-        "{out}"
-    );
-    assert_eq!(out.lines().count(), 5, "{out}");
-    let csv = std::fs::read_to_string(csv).unwrap();
-    assert_eq!(csv.lines().count(), 4);
-    assert!(csv
-        .lines()
-        .nth(1)
-        .unwrap()
-        .starts_with("des-overlap-weight,0,"));
-    let svg = std::fs::read_to_string(svg).unwrap();
-    assert!(svg.starts_with("<svg") && svg.contains("TTFT p99") && svg.contains("hit rate"));
-    let (code, out, _) = kvsim(&[
-        "sweep",
-        "--param",
-        "des-routing=kv,round_robin",
-        "--des-num-requests",
-        "50",
-        "--format",
-        "json",
-    ]);
-    assert_eq!(code, 0);
-    let rows: serde_json::Value = serde_json::from_str(&out).unwrap();
-    assert_eq!(rows[1]["value"], "round_robin");
-    // A sweep is the same runs as single runs.
-    let (_, single, _) = kvsim(&[
-        "--des-routing",
-        "round_robin",
-        "--des-num-requests",
-        "50",
-        "--format",
-        "json",
-    ]);
-    let single: serde_json::Value = serde_json::from_str(&single).unwrap();
-    assert_eq!(rows[1]["request_hit_rate"], single["request_hit_rate"]);
-    for (args, needle) in [
-        (
-            &["sweep", "--param", "des-instances=2,0"][..],
-            "--param des-instances=0: invalid --des-instances 0",
-        ),
-        (
-            &["sweep", "--param", "no-such-flag=1"][..],
-            "--param no-such-flag=1: unexpected argument '--no-such-flag'",
-        ),
-        (
-            &["sweep", "--param", "des-instances"][..],
-            "expected NAME=V1,V2",
-        ),
-    ] {
-        let (code, _, err) = kvsim(args);
-        assert_eq!(code, 2, "{args:?}");
-        assert!(err.contains(needle), "{args:?}: {err}");
-        assert_eq!(err.lines().count(), 1);
-    }
 }
 
 fn shared(name: &str) -> Option<PathBuf> {

@@ -20,7 +20,7 @@ fn check_text(text: &str, bs: BlockSize) {
     let name = "fuzz.jsonl";
     let lines = text.lines().count();
     match Trace::parse(name, text, bs) {
-        Err(e) => {
+        Err(kvsim::Error::Trace(e)) => {
             assert_eq!(e.file, name);
             assert!(
                 e.line >= 1 && e.line <= lines,
@@ -28,6 +28,7 @@ fn check_text(text: &str, bs: BlockSize) {
             );
             assert!(!e.to_string().is_empty());
         }
+        Err(e) => panic!("parsing text gave a non-trace error: {e}"),
         Ok(trace) => {
             assert_eq!((trace.name(), trace.block_size()), (name, bs));
             let reqs = trace.requests();

@@ -4,7 +4,7 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
-use crate::sweep::Row;
+use crate::row::Row;
 
 pub(crate) fn draw(path: &Path, name: &str, rows: &[Row]) -> Result<(), String> {
     let err = |e: &dyn std::fmt::Display| e.to_string();

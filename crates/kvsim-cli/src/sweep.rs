@@ -7,56 +7,9 @@ use std::sync::Mutex;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use kvsim::{Report, SimConfig, Simulation};
-use serde::Serialize;
 
-use crate::SweepArgs;
-
-/// One row of the sweep table.
-#[derive(Debug, Clone, Serialize)]
-pub(crate) struct Row {
-    pub(crate) param: String,
-    pub(crate) value: String,
-    pub(crate) request_hit_rate: f64,
-    pub(crate) block_reuse: f64,
-    pub(crate) per_instance_hit_rate_min: f64,
-    pub(crate) per_instance_hit_rate_max: f64,
-    pub(crate) load_balance: f64,
-    pub(crate) ttft_p50_ms: f64,
-    pub(crate) ttft_p99_ms: f64,
-    pub(crate) itl_p99_ms: f64,
-    pub(crate) makespan_s: f64,
-    pub(crate) evictions: u64,
-    pub(crate) completed: usize,
-    pub(crate) rejected: usize,
-    /// Disaggregated runs: the decode pool's block reuse (blocks not transferred) and balance.
-    pub(crate) decode_block_reuse: Option<f64>,
-    pub(crate) decode_load_balance: Option<f64>,
-    pub(crate) transfer_p99_ms: Option<f64>,
-}
-
-impl Row {
-    fn new(param: &str, value: &str, r: &Report) -> Self {
-        Row {
-            param: param.to_string(),
-            value: value.to_string(),
-            request_hit_rate: r.request_hit_rate,
-            block_reuse: r.block_reuse,
-            per_instance_hit_rate_min: r.per_instance_hit_rate_min,
-            per_instance_hit_rate_max: r.per_instance_hit_rate_max,
-            load_balance: r.load_balance,
-            ttft_p50_ms: r.ttft_ms.p50,
-            ttft_p99_ms: r.ttft_ms.p99,
-            itl_p99_ms: r.itl_ms.p99,
-            makespan_s: r.makespan_s,
-            evictions: r.evictions,
-            completed: r.completed,
-            rejected: r.rejected,
-            decode_block_reuse: r.pd.as_ref().map(|p| p.decode.block_reuse),
-            decode_load_balance: r.pd.as_ref().map(|p| p.decode.load_balance),
-            transfer_p99_ms: r.pd.as_ref().map(|p| p.transfer_ms.p99),
-        }
-    }
-}
+use crate::args::{flagged, SweepArgs};
+use crate::row::Row;
 
 /// A progress bar on stderr.
 pub(crate) fn bar(total: u64, unit: &str) -> ProgressBar {
@@ -101,7 +54,7 @@ fn run_all(
                 };
                 let r = Simulation::new(cfg.clone())
                     .and_then(|sim| sim.run())
-                    .map_err(|e| e.to_string());
+                    .map_err(|e| flagged(&e));
                 if let Ok(mut all) = results.lock() {
                     all[i] = Some(r);
                 }

@@ -1,0 +1,595 @@
+//! The command line: flags, their defaults (read from `SimConfig::default()`), and the mapping
+//! from the library's setting names to the flags that set them.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
+use kvblock::BlockSize;
+use kvsim::{ArrivalModel, LinearTiming, Policy, Popularity, SimConfig, Trace, TraceTiming};
+
+/// Simulate a fleet of LLM engine replicas behind a KV-cache-aware router.
+///
+/// Every engine holds a real, capacity-bounded KV block cache and runs continuous batching;
+/// the router scores engines with the same cost function a deployed kvroute router uses, so the
+/// prefix-cache hit rate emerges from content, capacity and routing. Same flags and seed, same
+/// report, byte for byte.
+#[derive(Debug, Parser)]
+#[command(
+    after_help = EXAMPLES,
+    name = "kvsim",
+    version,
+    about,
+    long_about,
+    allow_negative_numbers = true,
+    args_override_self = true,
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true
+)]
+pub(crate) struct Cli {
+    #[command(subcommand)]
+    pub(crate) cmd: Option<Cmd>,
+    #[command(flatten)]
+    pub(crate) run: RunArgs,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum Cmd {
+    /// Print a trace's statistics: requests, span, lengths, unique blocks, ideal hit rate.
+    TraceStats {
+        /// The trace (Mooncake JSONL).
+        file: PathBuf,
+        /// Tokens per block of the trace's hash ids.
+        #[arg(long, default_value_t = Trace::MOONCAKE_BLOCK_SIZE, value_parser = parse_block_size, value_name = "TOKENS")]
+        trace_block_size: usize,
+        /// Output format: text or json.
+        #[arg(long, default_value = "text", value_parser = ["text", "json"], value_name = "FORMAT")]
+        format: String,
+    },
+    /// Run one simulation per value of a run parameter and tabulate the results.
+    Sweep(Box<SweepArgs>),
+}
+
+#[derive(Debug, Args)]
+#[command(allow_negative_numbers = true, args_override_self = true)]
+pub(crate) struct SweepArgs {
+    /// The parameter and its values: NAME=V1,V2,... where NAME is any run flag without its
+    /// dashes (des-overlap-weight, des-kv-blocks, des-instances, des-routing, request-rate, ...).
+    /// Repeat it to move several parameters together (the i-th run takes each one's i-th value).
+    #[arg(long, value_name = "NAME=V1,V2,...", required = true)]
+    pub(crate) param: Vec<String>,
+    /// Also write the rows as CSV to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) csv: Option<PathBuf>,
+    /// Draw hit rate and TTFT p99 against the swept value as an SVG chart.
+    #[arg(long, value_name = "FILE.svg")]
+    pub(crate) plot: Option<PathBuf>,
+    /// Simulations to run at once (default: the machine's cores).
+    #[arg(long, value_name = "N")]
+    pub(crate) jobs: Option<usize>,
+    #[command(flatten)]
+    pub(crate) run: RunArgs,
+}
+
+/// The run flags. Each simulation setting is an `Option`: unset means `SimConfig::default()`'s
+/// value, which `--help` shows (see [`command`]).
+#[derive(Debug, Clone, Default, Args)]
+pub(crate) struct RunArgs {
+    /// Arrival rate, requests per second.
+    #[arg(long, value_name = "R", help_heading = "Arrivals")]
+    request_rate: Option<f64>,
+    /// Arrival process: poisson, constant or gamma.
+    #[arg(long, value_parser = parse_arrival, value_name = "MODEL", help_heading = "Arrivals")]
+    arrival_model: Option<ArrivalModel>,
+    /// Coefficient of variation of gamma inter-arrival times (1 = Poisson, higher = burstier).
+    #[arg(long, value_name = "CV", help_heading = "Arrivals")]
+    arrival_cv: Option<f64>,
+    /// Requests to simulate (a trace: at most its length).
+    #[arg(long, value_name = "N", help_heading = "Arrivals")]
+    des_num_requests: Option<usize>,
+    /// Seed of every random choice.
+    #[arg(long, value_name = "S", help_heading = "Arrivals")]
+    seed: Option<u64>,
+
+    /// Prefixes in the synthetic pool.
+    #[arg(long, value_name = "P", help_heading = "Synthetic content")]
+    des_num_prefixes: Option<usize>,
+    /// Tokens per prefix.
+    #[arg(long, value_name = "L", help_heading = "Synthetic content")]
+    des_prefix_len: Option<usize>,
+    /// How requests pick a prefix: uniform, or zipf:<s> for a few hot prefixes.
+    #[arg(long, value_parser = parse_popularity, value_name = "DIST", help_heading = "Synthetic content")]
+    prefix_popularity: Option<Popularity>,
+    /// Prompt tokens per request, prefix included (a unique suffix fills the rest).
+    #[arg(long, value_name = "TOKENS", help_heading = "Synthetic content")]
+    input_len: Option<usize>,
+    /// Output tokens per request.
+    #[arg(long, value_name = "TOKENS", help_heading = "Synthetic content")]
+    output_len: Option<usize>,
+
+    /// Replay this Mooncake-format JSONL trace instead of the synthetic prefix pool.
+    #[arg(long, value_name = "FILE", help_heading = "Trace replay")]
+    trace: Option<PathBuf>,
+    /// Tokens per block of the trace's hash ids.
+    #[arg(long, default_value_t = Trace::MOONCAKE_BLOCK_SIZE, value_parser = parse_block_size, value_name = "TOKENS", help_heading = "Trace replay")]
+    trace_block_size: usize,
+    /// Divide the trace's inter-arrival times by X.
+    #[arg(long, value_name = "X", help_heading = "Trace replay")]
+    trace_speedup: Option<f64>,
+    /// keep: the trace's timestamps; rate: re-time arrivals with --arrival-model and --request-rate.
+    #[arg(long, value_parser = parse_trace_timing, value_name = "MODE", help_heading = "Trace replay")]
+    trace_timing: Option<TraceTiming>,
+
+    /// Tokens per KV block, engines and router alike (a trace: its block size).
+    #[arg(long, value_parser = parse_block_size, value_name = "TOKENS", help_heading = "Fleet")]
+    des_block_size: Option<usize>,
+    /// Engine replicas behind the router.
+    #[arg(long, value_name = "N", help_heading = "Fleet")]
+    des_instances: Option<usize>,
+    /// KV blocks per engine (cache plus running requests); unset means unbounded.
+    #[arg(long, value_name = "BLOCKS", help_heading = "Fleet")]
+    des_kv_blocks: Option<usize>,
+    /// Token budget of one engine step (prefill chunks plus one token per decoding request).
+    #[arg(long, value_name = "TOKENS", help_heading = "Fleet")]
+    max_batched_tokens: Option<usize>,
+    /// Running requests per engine.
+    #[arg(long, value_name = "N", help_heading = "Fleet")]
+    max_num_seqs: Option<usize>,
+    /// Step time: fixed cost per engine step, microseconds.
+    #[arg(
+        long,
+        value_name = "US",
+        help_heading = "Timing (linear per engine step; fit your own)"
+    )]
+    timing_base_us: Option<f64>,
+    /// Step time: microseconds per uncached prefill token.
+    #[arg(
+        long,
+        value_name = "US",
+        help_heading = "Timing (linear per engine step; fit your own)"
+    )]
+    timing_prefill_us: Option<f64>,
+    /// Step time: microseconds per decoding request.
+    #[arg(
+        long,
+        value_name = "US",
+        help_heading = "Timing (linear per engine step; fit your own)"
+    )]
+    timing_decode_us: Option<f64>,
+    /// Step time: microseconds per context token of decoding requests.
+    #[arg(
+        long,
+        value_name = "US",
+        help_heading = "Timing (linear per engine step; fit your own)"
+    )]
+    timing_context_us: Option<f64>,
+
+    /// Routing policy: kv, prefix_aware, round_robin or random.
+    #[arg(long, value_parser = parse_policy, value_name = "POLICY", help_heading = "Routing")]
+    des_routing: Option<Policy>,
+    /// kv policy: weight of missed blocks against load (0 = pure load balance).
+    #[arg(long, value_name = "W", help_heading = "Routing")]
+    des_overlap_weight: Option<f64>,
+    /// prefix_aware policy: how many leading blocks form the consistent-hash key.
+    #[arg(long, value_name = "K", help_heading = "Routing")]
+    prefix_aware_blocks: Option<usize>,
+    /// Delay before the router sees the engines' KV events, milliseconds.
+    #[arg(long, value_name = "MS", help_heading = "Routing")]
+    des_event_delay_ms: Option<f64>,
+    /// Router replicas, each with its own load view and cache index, taking arrivals in turn.
+    #[arg(long, value_name = "R", help_heading = "Routing")]
+    des_routers: Option<usize>,
+
+    /// Disaggregated serving: prefill engines (with --des-decode-instances, instead of --des-instances).
+    #[arg(long, value_name = "P", help_heading = "Disaggregated prefill/decode")]
+    des_prefill_instances: Option<usize>,
+    /// Disaggregated serving: decode engines.
+    #[arg(long, value_name = "D", help_heading = "Disaggregated prefill/decode")]
+    des_decode_instances: Option<usize>,
+    /// Overlap weight for routing prefills (typically 20) [default: --des-overlap-weight].
+    #[arg(long, value_name = "W", help_heading = "Disaggregated prefill/decode")]
+    kv_prefill_overlap_weight: Option<f64>,
+    /// Overlap weight for routing decodes (typically 2) [default: --des-overlap-weight].
+    #[arg(long, value_name = "W", help_heading = "Disaggregated prefill/decode")]
+    kv_decode_overlap_weight: Option<f64>,
+    /// Prefill-to-decode KV link bandwidth, gigabits per second.
+    #[arg(
+        long,
+        value_name = "GBPS",
+        help_heading = "Disaggregated prefill/decode"
+    )]
+    pd_transfer_gbps: Option<f64>,
+    /// Fixed latency of each KV transfer, microseconds.
+    #[arg(long, value_name = "US", help_heading = "Disaggregated prefill/decode")]
+    pd_transfer_latency_us: Option<u64>,
+    /// KV cache bytes per token (131072: an 8B model with grouped-query attention in 16-bit).
+    #[arg(
+        long,
+        value_name = "BYTES",
+        help_heading = "Disaggregated prefill/decode"
+    )]
+    kv_bytes_per_token: Option<u64>,
+
+    /// Output format: text or json.
+    #[arg(long, default_value = "text", value_parser = ["text", "json"], value_name = "FORMAT", help_heading = "Output")]
+    format: String,
+    /// Add the per-instance table to the text report.
+    #[arg(long, short, help_heading = "Output")]
+    verbose: bool,
+    /// No progress bar.
+    #[arg(long, short, help_heading = "Output")]
+    quiet: bool,
+}
+
+const EXAMPLES: &str = "Examples:
+  kvsim                                         the default fleet on a synthetic prefix pool
+  kvsim --des-routing round_robin --des-kv-blocks 20000
+  kvsim --trace conversation.jsonl --des-instances 8 --des-kv-blocks 900
+  kvsim --des-prefill-instances 4 --des-decode-instances 4 --kv-prefill-overlap-weight 20
+  kvsim trace-stats conversation.jsonl
+  kvsim sweep --param des-overlap-weight=0,0.5,1,2,4 --plot sweep.svg";
+
+/// Each `SimConfig` setting (as the library's errors name it) and the flag that sets it.
+pub(crate) const FLAGS: &[(&str, &str)] = &[
+    ("request_rate", "--request-rate"),
+    ("arrival_model", "--arrival-model"),
+    ("arrival_cv", "--arrival-cv"),
+    ("num_requests", "--des-num-requests"),
+    ("seed", "--seed"),
+    ("num_prefixes", "--des-num-prefixes"),
+    ("prefix_len", "--des-prefix-len"),
+    ("prefix_popularity", "--prefix-popularity"),
+    ("input_len", "--input-len"),
+    ("output_len", "--output-len"),
+    ("block_size", "--des-block-size"),
+    ("instances", "--des-instances"),
+    ("kv_blocks", "--des-kv-blocks"),
+    ("max_batched_tokens", "--max-batched-tokens"),
+    ("max_num_seqs", "--max-num-seqs"),
+    ("timing.base_us", "--timing-base-us"),
+    ("timing.prefill_us_per_token", "--timing-prefill-us"),
+    ("timing.decode_us_per_request", "--timing-decode-us"),
+    ("timing.context_us_per_token", "--timing-context-us"),
+    ("routing", "--des-routing"),
+    ("overlap_weight", "--des-overlap-weight"),
+    ("prefix_aware_blocks", "--prefix-aware-blocks"),
+    ("event_delay_us", "--des-event-delay-ms"),
+    ("prefill_instances", "--des-prefill-instances"),
+    ("decode_instances", "--des-decode-instances"),
+    ("prefill_overlap_weight", "--kv-prefill-overlap-weight"),
+    ("decode_overlap_weight", "--kv-decode-overlap-weight"),
+    ("pd_transfer_gbps", "--pd-transfer-gbps"),
+    ("pd_transfer_latency_us", "--pd-transfer-latency-us"),
+    ("kv_bytes_per_token", "--kv-bytes-per-token"),
+    ("routers", "--des-routers"),
+    ("trace_speedup", "--trace-speedup"),
+    ("trace_timing", "--trace-timing"),
+];
+
+fn flag_of(setting: &str) -> Option<&'static str> {
+    FLAGS.iter().find(|(s, _)| *s == setting).map(|(_, f)| *f)
+}
+
+/// A library error as the command reports it: settings named by their flags, one line.
+pub(crate) fn flagged(e: &kvsim::Error) -> String {
+    match e {
+        kvsim::Error::InvalidSetting {
+            setting,
+            value,
+            expected,
+        } => {
+            // Settings named inside `expected` are field names with an underscore or a dot.
+            let expected: String = split_words(expected)
+                .into_iter()
+                .map(|w| match flag_of(w) {
+                    Some(f) if w.contains(['_', '.']) => f,
+                    _ => w,
+                })
+                .collect();
+            format!(
+                "invalid {} {value}: expected {expected}",
+                flag_of(setting).unwrap_or(setting)
+            )
+        }
+        other => other.to_string(),
+    }
+}
+
+/// Splits text into identifier runs (letters, digits, `_`, `.` inside a word) and the rest,
+/// keeping every character.
+fn split_words(text: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    let mut in_word = false;
+    for (i, c) in text.char_indices() {
+        let w = c.is_alphanumeric() || c == '_' || (c == '.' && in_word);
+        if w != in_word && i > start {
+            out.push(&text[start..i]);
+            start = i;
+        }
+        in_word = w;
+    }
+    if start < text.len() {
+        out.push(&text[start..]);
+    }
+    out
+}
+
+/// `SimConfig::default()` as each flag's shown default.
+fn defaults() -> Vec<(&'static str, String)> {
+    let d = SimConfig::default();
+    let t = d.timing;
+    vec![
+        ("request_rate", d.request_rate.to_string()),
+        ("arrival_model", d.arrival_model.to_string()),
+        ("arrival_cv", d.arrival_cv.to_string()),
+        (
+            "des_num_requests",
+            format!("{}, or the whole trace", d.num_requests),
+        ),
+        ("seed", d.seed.to_string()),
+        ("des_num_prefixes", d.num_prefixes.to_string()),
+        ("des_prefix_len", d.prefix_len.to_string()),
+        ("prefix_popularity", d.prefix_popularity.to_string()),
+        ("input_len", d.input_len.to_string()),
+        ("output_len", d.output_len.to_string()),
+        ("trace_speedup", d.trace_speedup.to_string()),
+        ("trace_timing", d.trace_timing.to_string()),
+        (
+            "des_block_size",
+            format!("{}, or the trace's block size", d.block_size),
+        ),
+        ("des_instances", d.instances.to_string()),
+        ("max_batched_tokens", d.max_batched_tokens.to_string()),
+        ("max_num_seqs", d.max_num_seqs.to_string()),
+        ("timing_base_us", t.base_us.to_string()),
+        ("timing_prefill_us", t.prefill_us_per_token.to_string()),
+        ("timing_decode_us", t.decode_us_per_request.to_string()),
+        ("timing_context_us", t.context_us_per_token.to_string()),
+        ("des_routing", d.routing.to_string()),
+        ("des_overlap_weight", d.overlap_weight.to_string()),
+        ("prefix_aware_blocks", d.prefix_aware_blocks.to_string()),
+        (
+            "des_event_delay_ms",
+            (d.event_delay_us as f64 / 1000.0).to_string(),
+        ),
+        ("des_routers", d.routers.to_string()),
+        ("pd_transfer_gbps", d.pd_transfer_gbps.to_string()),
+        (
+            "pd_transfer_latency_us",
+            d.pd_transfer_latency_us.to_string(),
+        ),
+        ("kv_bytes_per_token", d.kv_bytes_per_token.to_string()),
+    ]
+}
+
+/// The command with each run flag's help ending in its default from `SimConfig::default()`.
+pub(crate) fn command() -> clap::Command {
+    let defaults = defaults();
+    let add = |a: clap::Arg| match defaults.iter().find(|(id, _)| a.get_id() == *id) {
+        Some((_, d)) => {
+            let help = a.get_help().map(ToString::to_string).unwrap_or_default();
+            a.help(format!("{help} [default: {d}]"))
+        }
+        None => a,
+    };
+    Cli::command()
+        .mut_args(add)
+        .mut_subcommand("sweep", |s| s.mut_args(add))
+}
+
+/// Parses a command line (the first item is the program name).
+pub(crate) fn parse_from<I, T>(argv: I) -> Result<Cli, clap::Error>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let matches = command().try_get_matches_from(argv)?;
+    Cli::from_arg_matches(&matches)
+}
+
+/// The part of a library parse error after "expected", for clap's message.
+fn expected(e: kvsim::Error) -> String {
+    match e {
+        kvsim::Error::InvalidSetting { expected, .. } => format!("expected {expected}"),
+        other => other.to_string(),
+    }
+}
+
+fn parse_arrival(s: &str) -> Result<ArrivalModel, String> {
+    s.parse().map_err(expected)
+}
+
+fn parse_popularity(s: &str) -> Result<Popularity, String> {
+    s.parse().map_err(expected)
+}
+
+fn parse_policy(s: &str) -> Result<Policy, String> {
+    s.parse::<Policy>().map_err(|e| e.to_string())
+}
+
+fn parse_trace_timing(s: &str) -> Result<TraceTiming, String> {
+    s.parse().map_err(expected)
+}
+
+fn parse_block_size(s: &str) -> Result<usize, String> {
+    let n: usize = s
+        .parse()
+        .map_err(|_| "expected a whole number of tokens >= 1".to_string())?;
+    BlockSize::new(n)
+        .map(BlockSize::get)
+        .map_err(|e| e.to_string())
+}
+
+impl RunArgs {
+    /// The simulation settings: `SimConfig::default()` with every given flag applied; errors
+    /// are one line naming the flag (or FILE:LINE for a trace).
+    pub(crate) fn config(&self) -> Result<SimConfig, String> {
+        let mut cfg = SimConfig::default();
+        if let Some(path) = &self.trace {
+            let bs = BlockSize::new(self.trace_block_size)
+                .map_err(|e| format!("--trace-block-size: {e}"))?;
+            let trace = Trace::load(path, bs).map_err(|e| flagged(&e))?;
+            cfg = cfg.with_trace(trace);
+        }
+        if let Some(bs) = self.des_block_size {
+            cfg.block_size = BlockSize::new(bs).map_err(|e| format!("--des-block-size: {e}"))?;
+        }
+        if self.des_instances.is_some()
+            && (self.des_prefill_instances.is_some() || self.des_decode_instances.is_some())
+        {
+            return Err("--des-instances cannot be combined with --des-prefill-instances/--des-decode-instances: \
+                        give one fleet size or the two pool sizes"
+                .to_string());
+        }
+        if let Some(delay) = self.des_event_delay_ms {
+            if !(delay.is_finite() && delay >= 0.0) {
+                return Err(format!(
+                    "invalid --des-event-delay-ms {delay}: expected a finite number >= 0"
+                ));
+            }
+            cfg.event_delay_us = (delay * 1000.0).round() as u64;
+        }
+        fn set<T: Clone>(field: &mut T, flag: &Option<T>) {
+            if let Some(v) = flag {
+                *field = v.clone();
+            }
+        }
+        set(&mut cfg.num_requests, &self.des_num_requests);
+        set(&mut cfg.request_rate, &self.request_rate);
+        set(&mut cfg.arrival_model, &self.arrival_model);
+        set(&mut cfg.arrival_cv, &self.arrival_cv);
+        set(&mut cfg.seed, &self.seed);
+        set(&mut cfg.num_prefixes, &self.des_num_prefixes);
+        set(&mut cfg.prefix_len, &self.des_prefix_len);
+        set(&mut cfg.prefix_popularity, &self.prefix_popularity);
+        set(&mut cfg.input_len, &self.input_len);
+        set(&mut cfg.output_len, &self.output_len);
+        set(&mut cfg.trace_speedup, &self.trace_speedup);
+        set(&mut cfg.trace_timing, &self.trace_timing);
+        set(&mut cfg.instances, &self.des_instances);
+        if self.des_prefill_instances.is_some() {
+            cfg.prefill_instances = self.des_prefill_instances;
+        }
+        if self.des_decode_instances.is_some() {
+            cfg.decode_instances = self.des_decode_instances;
+        }
+        if self.kv_prefill_overlap_weight.is_some() {
+            cfg.prefill_overlap_weight = self.kv_prefill_overlap_weight;
+        }
+        if self.kv_decode_overlap_weight.is_some() {
+            cfg.decode_overlap_weight = self.kv_decode_overlap_weight;
+        }
+        if self.des_kv_blocks.is_some() {
+            cfg.kv_blocks = self.des_kv_blocks;
+        }
+        set(&mut cfg.pd_transfer_gbps, &self.pd_transfer_gbps);
+        set(
+            &mut cfg.pd_transfer_latency_us,
+            &self.pd_transfer_latency_us,
+        );
+        set(&mut cfg.kv_bytes_per_token, &self.kv_bytes_per_token);
+        set(&mut cfg.routers, &self.des_routers);
+        set(&mut cfg.max_batched_tokens, &self.max_batched_tokens);
+        set(&mut cfg.max_num_seqs, &self.max_num_seqs);
+        let t = cfg.timing;
+        cfg.timing = LinearTiming::new(
+            self.timing_base_us.unwrap_or(t.base_us),
+            self.timing_prefill_us.unwrap_or(t.prefill_us_per_token),
+            self.timing_decode_us.unwrap_or(t.decode_us_per_request),
+            self.timing_context_us.unwrap_or(t.context_us_per_token),
+        );
+        set(&mut cfg.routing, &self.des_routing);
+        set(&mut cfg.overlap_weight, &self.des_overlap_weight);
+        set(&mut cfg.prefix_aware_blocks, &self.prefix_aware_blocks);
+        cfg.validate().map_err(|e| flagged(&e))?;
+        Ok(cfg)
+    }
+
+    pub(crate) fn json(&self) -> bool {
+        self.format == "json"
+    }
+
+    pub(crate) fn verbose(&self) -> bool {
+        self.verbose
+    }
+
+    /// Whether to draw progress: stderr is a terminal and --quiet is not set.
+    pub(crate) fn progress(&self) -> bool {
+        !self.quiet && std::io::stderr().is_terminal()
+    }
+}
+
+/// One line for a usage error: clap's first line, without its "error: " prefix.
+pub(crate) fn one_line(e: &clap::Error) -> String {
+    let text = e.render().to_string();
+    let first = text
+        .lines()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("invalid arguments");
+    first.trim_start_matches("error: ").trim().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One source of defaults: no flag at all is exactly the library's default configuration.
+    #[test]
+    fn no_flags_is_the_library_default() {
+        let cli = parse_from(["kvsim"]).unwrap();
+        assert_eq!(cli.run.config().unwrap(), SimConfig::default());
+        let sweep = parse_from(["kvsim", "sweep", "--param", "seed=1"]).unwrap();
+        let Some(Cmd::Sweep(s)) = sweep.cmd else {
+            panic!("not a sweep")
+        };
+        assert_eq!(s.run.config().unwrap(), SimConfig::default());
+    }
+
+    /// Every setting the library can name maps to a flag the command has, and every run flag
+    /// that is a setting shows the library's default.
+    #[test]
+    fn settings_map_to_existing_flags_and_show_defaults() {
+        let cmd = command();
+        let longs: Vec<String> = cmd
+            .get_arguments()
+            .filter_map(|a| a.get_long().map(|l| format!("--{l}")))
+            .collect();
+        for (setting, flag) in FLAGS {
+            assert!(longs.iter().any(|l| l == flag), "{setting}: no flag {flag}");
+        }
+        let help = cmd.clone().render_help().to_string();
+        for needle in [
+            "[default: 6]",
+            "[default: poisson]",
+            "[default: 7050]",
+            "[default: 0.04]",
+            "[default: kv]",
+            "[default: 16, or the trace's block size]",
+        ] {
+            assert!(help.contains(needle), "--help lacks {needle}:\n{help}");
+        }
+    }
+
+    #[test]
+    fn library_errors_name_flags() {
+        let e = kvsim::Error::InvalidSetting {
+            setting: "decode_instances",
+            value: "unset".into(),
+            expected: "both prefill_instances and decode_instances, or neither".into(),
+        };
+        assert_eq!(
+            flagged(&e),
+            "invalid --des-decode-instances unset: expected both --des-prefill-instances and --des-decode-instances, or neither"
+        );
+        let e = kvsim::Error::InvalidSetting {
+            setting: "prefix_len",
+            value: "9000".into(),
+            expected: "at most input_len (4096): the prefix is part of the prompt".into(),
+        };
+        assert_eq!(
+            flagged(&e),
+            "invalid --des-prefix-len 9000: expected at most --input-len (4096): the prefix is part of the prompt"
+        );
+    }
+}

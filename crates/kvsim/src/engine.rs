@@ -1,0 +1,621 @@
+//! One engine's state machine: admission, continuous-batching step planning, the block cache
+//! and the KV events it emits. It knows nothing about an event queue or a clock: the caller
+//! asks it to plan a step, tells it when the step is over, and reads what happened. The
+//! discrete-event simulator drives it with simulated time; an emulator can drive the very same
+//! code with a wall clock.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+use std::sync::Arc;
+
+use kvblock::{BlockHash, BlockSize};
+use kvcache::{BlockCache, KvEvent};
+use serde::Serialize;
+
+use crate::timing::{StepShape, TimingModel};
+
+/// What an engine does with a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum Pool {
+    /// Prefill and decode (the default fleet).
+    Unified,
+    /// Prefill only; the KV then moves to a decode engine.
+    Prefill,
+    /// Decode only, from KV that arrived from a prefill engine.
+    Decode,
+}
+
+impl Pool {
+    /// The name reports use: `unified`, `prefill` or `decode`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Pool::Unified => "unified",
+            Pool::Prefill => "prefill",
+            Pool::Decode => "decode",
+        }
+    }
+}
+
+impl std::fmt::Display for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // `pad`, so report tables can align the name.
+        f.pad(self.name())
+    }
+}
+
+/// The settings of one engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EngineConfig {
+    /// What the engine does with a request.
+    pub pool: Pool,
+    /// Tokens per KV block.
+    pub block_size: BlockSize,
+    /// KV blocks in all, the cache and running requests together; `None` is unbounded.
+    pub kv_blocks: Option<usize>,
+    /// Token budget of one step: prefill chunks plus one token per decoding request.
+    pub max_batched_tokens: usize,
+    /// Running requests at most.
+    pub max_num_seqs: usize,
+}
+
+impl EngineConfig {
+    /// A unified engine with unbounded KV blocks, a step budget of 8,192 tokens and at most 256
+    /// running requests (the simulator's defaults).
+    pub fn new(block_size: BlockSize) -> Self {
+        EngineConfig {
+            pool: Pool::Unified,
+            block_size,
+            kv_blocks: None,
+            max_batched_tokens: 8192,
+            max_num_seqs: 256,
+        }
+    }
+}
+
+/// A request handed to an engine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EngineRequest {
+    /// The caller's id, echoed in every [`Outcome`]; among requests finishing in the same step,
+    /// lower ids finish first.
+    pub id: u64,
+    /// Hashes of the prompt's full blocks.
+    pub blocks: Vec<BlockHash>,
+    /// Prompt tokens.
+    pub input_len: usize,
+    /// Output tokens.
+    pub output_len: usize,
+}
+
+impl EngineRequest {
+    /// A request with its prompt's full-block hashes and its lengths.
+    pub fn new(id: u64, blocks: Vec<BlockHash>, input_len: usize, output_len: usize) -> Self {
+        EngineRequest {
+            id,
+            blocks,
+            input_len,
+            output_len,
+        }
+    }
+}
+
+/// What happened to a request, in the order it happened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// Scheduled: its leading `cached_blocks` were resident (and are now pinned), the rest of
+    /// its blocks reserved. On a decode engine, the KV has arrived and decoding starts.
+    Admitted {
+        /// The request.
+        id: u64,
+        /// Leading prompt blocks resident when it was scheduled (engine truth).
+        cached_blocks: usize,
+    },
+    /// Its first output token was produced: the end of its prefill, or (on a decode engine) its
+    /// admission.
+    FirstToken {
+        /// The request.
+        id: u64,
+    },
+    /// A prefill engine computed its prompt, stored it and let go of it: its KV can move to a
+    /// decode engine.
+    PrefillDone {
+        /// The request.
+        id: u64,
+        /// Its prompt's blocks, handed back for the decode side.
+        blocks: Vec<BlockHash>,
+    },
+    /// Its last token was produced; it has left the engine.
+    Finished {
+        /// The request.
+        id: u64,
+    },
+}
+
+/// A step the engine has started: what it computes and how long that takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PlannedStep {
+    /// The work of the step.
+    pub shape: StepShape,
+    /// Its duration by the engine's timing model, at least 1 µs.
+    pub duration_us: u64,
+}
+
+/// One request on the engine.
+#[derive(Debug, Clone)]
+struct Running {
+    id: u64,
+    blocks: Vec<BlockHash>,
+    input: usize,
+    output: usize,
+    /// Blocks it occupies on this engine (prompt and, unless a prefill engine, output).
+    mem_blocks: usize,
+    hits: usize,
+    prefill_left: usize,
+    decoding: bool,
+}
+
+/// One engine replica: continuous batching with chunked prefill over a real
+/// [`kvcache::BlockCache`].
+///
+/// - **Admission** is first come, first served: the head of the queue is scheduled when fewer
+///   than `max_num_seqs` requests run and its blocks fit: the leading run already resident is
+///   pinned, the rest reserved (prompt, and output unless a prefill engine). A request that can
+///   never fit is refused by [`submit`](Self::submit).
+/// - **A step** combines one decode token per decoding request with prefill chunks of the
+///   scheduled requests, in order, under `max_batched_tokens`. Prefill costs only the uncached
+///   tokens (a full hit still computes the last prompt token, to produce the first output
+///   token).
+/// - **The cache** stores a prompt's blocks when its prefill is done; they stay, evictable,
+///   after the request finishes. Every store and eviction is a [`KvEvent`] for the router.
+///
+/// ```
+/// use kvblock::{BlockHasher, BlockSize};
+/// use kvsim::{Engine, EngineConfig, EngineRequest, LinearTiming, Outcome};
+///
+/// let bs = BlockSize::new(16)?;
+/// let mut engine = Engine::new(EngineConfig::new(bs), LinearTiming::default());
+/// let tokens: Vec<u32> = (0..64).collect();
+/// let blocks = BlockHasher::new(bs).sequence_hashes(&tokens);
+/// assert!(engine.submit(EngineRequest::new(7, blocks, 64, 3)));
+///
+/// // Drive it: plan a step, let its time pass (here: not at all), report it done.
+/// let mut outcomes = Vec::new();
+/// engine.admit();
+/// while let Some(step) = engine.plan_step() {
+///     assert!(step.duration_us > 0);
+///     engine.finish_step();
+///     engine.admit();
+/// }
+/// engine.take_outcomes(&mut outcomes);
+/// assert_eq!(outcomes, [
+///     Outcome::Admitted { id: 7, cached_blocks: 0 },
+///     Outcome::FirstToken { id: 7 },
+///     Outcome::Finished { id: 7 },
+/// ]);
+/// assert_eq!(engine.cache().len(), 4); // the prompt's blocks stay cached
+/// assert_eq!(engine.drain_events().len(), 1); // one Stored event for the router
+/// # Ok::<(), kvblock::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct Engine {
+    cfg: EngineConfig,
+    timing: Arc<dyn TimingModel>,
+    cache: BlockCache,
+    /// Blocks held by running requests outside the cache (their unique and output blocks).
+    private: usize,
+    slots: Vec<Option<Running>>,
+    free: Vec<usize>,
+    waiting: VecDeque<usize>,
+    prefilling: VecDeque<usize>,
+    decoding: usize,
+    context: u64,
+    /// (step at which it produces its last token, id, slot): ids break ties, so the order does
+    /// not depend on slot reuse.
+    finishing: BinaryHeap<Reverse<(u64, u64, usize)>>,
+    steps: u64,
+    busy: bool,
+    chunks: Vec<(usize, usize)>,
+    step_decode: usize,
+    busy_us: u64,
+    inconsistent_inserts: u64,
+    outcomes: Vec<Outcome>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("cfg", &self.cfg)
+            .field("cached_blocks", &self.cache.len())
+            .field("waiting", &self.waiting.len())
+            .field("running", &self.running())
+            .field("steps", &self.steps)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Engine {
+    /// An idle engine with an empty cache.
+    pub fn new(cfg: EngineConfig, timing: impl TimingModel + 'static) -> Self {
+        Self::with_shared_timing(cfg, Arc::new(timing))
+    }
+
+    /// [`new`](Self::new) with a timing model shared by several engines.
+    pub fn with_shared_timing(cfg: EngineConfig, timing: Arc<dyn TimingModel>) -> Self {
+        Engine {
+            cfg,
+            timing,
+            // The capacity follows what running requests hold privately, once they exist.
+            cache: BlockCache::new(None),
+            private: 0,
+            slots: Vec::new(),
+            free: Vec::new(),
+            waiting: VecDeque::new(),
+            prefilling: VecDeque::new(),
+            decoding: 0,
+            context: 0,
+            finishing: BinaryHeap::new(),
+            steps: 0,
+            busy: false,
+            chunks: Vec::new(),
+            step_decode: 0,
+            busy_us: 0,
+            inconsistent_inserts: 0,
+            outcomes: Vec::new(),
+        }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// The engine's block cache.
+    pub fn cache(&self) -> &BlockCache {
+        &self.cache
+    }
+
+    /// Whether a step is in progress (planned and not yet finished).
+    pub fn is_busy(&self) -> bool {
+        self.busy
+    }
+
+    /// Whether nothing waits or runs.
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running() == 0
+    }
+
+    /// Requests waiting to be scheduled.
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Scheduled requests: prefilling or decoding.
+    pub fn running(&self) -> usize {
+        self.prefilling.len() + self.decoding
+    }
+
+    /// Blocks running requests hold outside the cache (reserved for their uncached prompt
+    /// blocks and their output).
+    pub fn reserved_blocks(&self) -> usize {
+        self.private
+    }
+
+    /// Steps finished so far.
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// Microseconds of all steps planned so far.
+    pub fn busy_us(&self) -> u64 {
+        self.busy_us
+    }
+
+    /// Prompt stores the cache refused as inconsistent with what it holds (0 unless two
+    /// prompts disagree about a block's parent).
+    pub fn inconsistent_inserts(&self) -> u64 {
+        self.inconsistent_inserts
+    }
+
+    /// Blocks a request of these lengths occupies on this engine: its prompt and (unless this
+    /// is a prefill engine) its output.
+    pub fn blocks_needed(&self, input_len: usize, output_len: usize) -> usize {
+        let tokens = match self.cfg.pool {
+            Pool::Prefill => input_len,
+            _ => input_len + output_len,
+        };
+        self.cfg.block_size.blocks_for(tokens)
+    }
+
+    /// Queues a request; `false` (and nothing changed) when it can never fit, because it needs
+    /// more blocks than the engine has.
+    pub fn submit(&mut self, req: EngineRequest) -> bool {
+        let mem_blocks = self.blocks_needed(req.input_len, req.output_len);
+        if self.cfg.kv_blocks.is_some_and(|t| mem_blocks > t) {
+            return false;
+        }
+        let run = Running {
+            id: req.id,
+            blocks: req.blocks,
+            input: req.input_len,
+            output: req.output_len,
+            mem_blocks,
+            hits: 0,
+            prefill_left: req.input_len,
+            decoding: false,
+        };
+        let slot = match self.free.pop() {
+            Some(s) => {
+                self.slots[s] = Some(run);
+                s
+            }
+            None => {
+                self.slots.push(Some(run));
+                self.slots.len() - 1
+            }
+        };
+        self.waiting.push_back(slot);
+        true
+    }
+
+    /// Schedules waiting requests, first come first served, while the head fits.
+    pub fn admit(&mut self) {
+        while let Some(&s) = self.waiting.front() {
+            if self.running() >= self.cfg.max_num_seqs || !self.admit_one(s) {
+                break;
+            }
+            self.waiting.pop_front();
+        }
+    }
+
+    /// Starts the next step, if anything is scheduled: prefill chunks under the token budget
+    /// and one decode token per decoding request.
+    pub fn plan_step(&mut self) -> Option<PlannedStep> {
+        if self.prefilling.is_empty() && self.decoding == 0 {
+            return None;
+        }
+        let mut budget = self.cfg.max_batched_tokens.saturating_sub(self.decoding);
+        let mut prefill_tokens = 0;
+        self.chunks.clear();
+        for &s in &self.prefilling {
+            if budget == 0 {
+                break;
+            }
+            let Some(r) = &self.slots[s] else { continue };
+            let chunk = r.prefill_left.min(budget);
+            self.chunks.push((s, chunk));
+            budget -= chunk;
+            prefill_tokens += chunk;
+        }
+        self.step_decode = self.decoding;
+        let shape = StepShape::new(prefill_tokens as u64, self.decoding as u64, self.context);
+        let duration_us = self.timing.step_us(&shape).max(1);
+        self.busy = true;
+        self.busy_us += duration_us;
+        Some(PlannedStep { shape, duration_us })
+    }
+
+    /// Ids of the requests that produce a decode token in the step in progress.
+    pub fn decoding_ids(&self) -> impl Iterator<Item = u64> + '_ {
+        self.slots
+            .iter()
+            .flatten()
+            .filter(|r| r.decoding)
+            .map(|r| r.id)
+    }
+
+    /// Ends the step in progress: every decoding request produced a token, prefill chunks are
+    /// done. Requests that produced their last token leave, finished prefills store their
+    /// prompt blocks.
+    pub fn finish_step(&mut self) {
+        if !std::mem::take(&mut self.busy) {
+            return;
+        }
+        self.steps += 1;
+        // Every request that was decoding in this step produced one token.
+        self.context += self.step_decode as u64;
+        while let Some(&Reverse((step, _, s))) = self.finishing.peek() {
+            if step > self.steps {
+                break;
+            }
+            self.finishing.pop();
+            self.finish(s);
+        }
+        for i in 0..self.chunks.len() {
+            let (s, chunk) = self.chunks[i];
+            if let Some(r) = self.slots[s].as_mut() {
+                r.prefill_left -= chunk;
+            }
+        }
+        // Chunks go to the queue's front first, so completed prefills are a prefix of it.
+        while let Some(&s) = self.prefilling.front() {
+            if self.slots[s].as_ref().is_some_and(|r| r.prefill_left > 0) {
+                break;
+            }
+            self.prefilling.pop_front();
+            self.prefill_done(s);
+        }
+    }
+
+    /// Moves what happened since the last call to the end of `out`, in order.
+    pub fn take_outcomes(&mut self, out: &mut Vec<Outcome>) {
+        out.append(&mut self.outcomes);
+    }
+
+    /// KV events queued since the last drain, in order.
+    pub fn drain_events(&mut self) -> std::vec::Drain<'_, KvEvent> {
+        self.cache.drain_events()
+    }
+
+    /// KV events queued and not yet drained.
+    pub fn pending_events(&self) -> usize {
+        self.cache.pending_events()
+    }
+
+    /// Checks the internal invariants (for property tests): the cache's own, and that every
+    /// pinned or reserved block belongs to a running request.
+    #[doc(hidden)]
+    pub fn check_invariants(&self) -> Result<(), String> {
+        self.cache.check_invariants()?;
+        if self.running() == 0
+            && (self.private != 0 || self.cache.pinned_blocks() != 0 || self.context != 0)
+        {
+            return Err(format!(
+                "nothing runs, yet {} blocks are reserved, {} pinned and {} context tokens counted",
+                self.private,
+                self.cache.pinned_blocks(),
+                self.context
+            ));
+        }
+        if let Some(t) = self.cfg.kv_blocks {
+            if self.cache.len() + self.private > t {
+                return Err(format!(
+                    "{} cached + {} reserved blocks exceed the engine's {t}",
+                    self.cache.len(),
+                    self.private
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Schedules a waiting request if memory allows: pins its cached run and reserves the rest.
+    fn admit_one(&mut self, s: usize) -> bool {
+        let Some(r) = self.slots[s].as_ref() else {
+            return true; // cannot happen: a queued slot is occupied
+        };
+        // The leading run resident now (engine truth), pinned so it stays while the request runs.
+        let hits = self.cache.pin(&r.blocks);
+        let need = r.mem_blocks - hits;
+        // The cache gets whatever the running requests, this one included, do not hold privately.
+        if !resize(&mut self.cache, self.cfg.kv_blocks, self.private + need) {
+            if let Some(r) = self.slots[s].as_ref() {
+                self.cache.unpin(&r.blocks[..hits]);
+            }
+            return false;
+        }
+        if self.cfg.kv_blocks.is_some() {
+            self.private += need;
+        }
+        let bs = self.cfg.block_size.get();
+        let Some(r) = self.slots[s].as_mut() else {
+            return true;
+        };
+        let id = r.id;
+        r.hits = hits;
+        self.outcomes.push(Outcome::Admitted {
+            id,
+            cached_blocks: hits,
+        });
+        if self.cfg.pool == Pool::Decode {
+            // The prompt's KV arrived by transfer: it becomes resident now and decoding starts.
+            self.store_prompt(s);
+            self.outcomes.push(Outcome::FirstToken { id });
+            self.start_decoding(s);
+            return true;
+        }
+        // A full hit still computes the last prompt token, to produce the first output token.
+        let cached_tokens = (hits * bs).min(r.input.saturating_sub(1));
+        r.prefill_left = r.input - cached_tokens;
+        self.prefilling.push_back(s);
+        true
+    }
+
+    /// Makes the prompt's full blocks resident and pins the ones that were not pinned at
+    /// admission; the blocks reserved for them move into the cache.
+    fn store_prompt(&mut self, s: usize) {
+        let Some(r) = self.slots[s].as_ref() else {
+            return;
+        };
+        if self.cfg.kv_blocks.is_some() {
+            self.private -= r.blocks.len() - r.hits;
+            resize(&mut self.cache, self.cfg.kv_blocks, self.private);
+        }
+        if self.cache.insert(&r.blocks).is_err() {
+            self.inconsistent_inserts += 1;
+        }
+        self.cache.pin(&r.blocks[r.hits..]);
+    }
+
+    /// The prompt is computed and the first token produced.
+    fn prefill_done(&mut self, s: usize) {
+        self.store_prompt(s);
+        let Some(r) = self.slots[s].as_ref() else {
+            return;
+        };
+        let (id, output) = (r.id, r.output);
+        if self.cfg.pool == Pool::Prefill {
+            // The prefill engine lets go of the request; its KV moves to a decode engine.
+            self.cache.unpin(&r.blocks);
+            if self.cfg.kv_blocks.is_some() {
+                self.private -= r.mem_blocks - r.blocks.len();
+                resize(&mut self.cache, self.cfg.kv_blocks, self.private);
+            }
+            let blocks = self.release(s);
+            self.outcomes.push(Outcome::PrefillDone { id, blocks });
+            return;
+        }
+        self.outcomes.push(Outcome::FirstToken { id });
+        if output <= 1 {
+            self.finish(s);
+        } else {
+            self.start_decoding(s);
+        }
+    }
+
+    fn start_decoding(&mut self, s: usize) {
+        let Some(r) = self.slots[s].as_mut() else {
+            return;
+        };
+        if r.output <= 1 {
+            self.finish(s);
+            return;
+        }
+        r.decoding = true;
+        self.decoding += 1;
+        self.context += (r.input + 1) as u64;
+        self.finishing
+            .push(Reverse((self.steps + (r.output as u64 - 1), r.id, s)));
+    }
+
+    fn finish(&mut self, s: usize) {
+        let Some(r) = self.slots[s].as_mut() else {
+            return;
+        };
+        if std::mem::take(&mut r.decoding) {
+            self.decoding -= 1;
+            self.context -= (r.input + r.output) as u64;
+        }
+        self.cache.unpin(&r.blocks);
+        if self.cfg.kv_blocks.is_some() {
+            self.private -= r.mem_blocks - r.blocks.len();
+            resize(&mut self.cache, self.cfg.kv_blocks, self.private);
+        }
+        let id = r.id;
+        self.release(s);
+        self.outcomes.push(Outcome::Finished { id });
+    }
+
+    /// Frees a request's slot, returning its blocks.
+    fn release(&mut self, s: usize) -> Vec<BlockHash> {
+        let blocks = self.slots[s].take().map(|r| r.blocks).unwrap_or_default();
+        self.free.push(s);
+        blocks
+    }
+}
+
+/// Sets the cache's capacity to what `private` blocks leave of `total`; false when they leave
+/// too little for the blocks the cache cannot evict.
+fn resize(cache: &mut BlockCache, total: Option<usize>, private: usize) -> bool {
+    match total {
+        None => true,
+        Some(total) => match total.checked_sub(private) {
+            Some(room) => cache.set_capacity(Some(room)).is_ok(),
+            None => false,
+        },
+    }
+}

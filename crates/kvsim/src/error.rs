@@ -1,0 +1,73 @@
+//! The crate's error type.
+
+use std::fmt;
+
+/// Errors of this crate. Each names the setting (by its [`SimConfig`](crate::SimConfig) field),
+/// the value and what is accepted, or the trace file and line.
+///
+/// ```
+/// let mut cfg = kvsim::SimConfig::default();
+/// cfg.instances = 0;
+/// let e = kvsim::Simulation::new(cfg).unwrap_err();
+/// assert_eq!(e.to_string(), "invalid instances 0: expected a whole number >= 1");
+/// assert!(matches!(e, kvsim::Error::InvalidSetting { setting: "instances", .. }));
+/// ```
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A setting outside what is accepted.
+    #[error("invalid {setting} {value}: expected {expected}")]
+    InvalidSetting {
+        /// The setting: a [`SimConfig`](crate::SimConfig) field name (`timing.base_us` for a
+        /// field of the timing model). Other settings named in `expected` are spelled the same way.
+        setting: &'static str,
+        /// The value given.
+        value: String,
+        /// What is accepted.
+        expected: String,
+    },
+    /// A malformed trace.
+    #[error(transparent)]
+    Trace(#[from] TraceError),
+    /// The router refused a setting.
+    #[error(transparent)]
+    Router(#[from] kvroute::Error),
+}
+
+impl Error {
+    pub(crate) fn invalid(
+        setting: &'static str,
+        value: impl fmt::Display,
+        expected: impl Into<String>,
+    ) -> Self {
+        Error::InvalidSetting {
+            setting,
+            value: value.to_string(),
+            expected: expected.into(),
+        }
+    }
+}
+
+/// A malformed trace: the file, the 1-based line and what is wrong.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TraceError {
+    /// The file as given.
+    pub file: String,
+    /// The 1-based line (0 when the file could not be read at all).
+    pub line: usize,
+    /// What is wrong.
+    pub what: String,
+}
+
+impl fmt::Display for TraceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.line == 0 {
+            write!(f, "{}: {}", self.file, self.what)
+        } else {
+            write!(f, "{}:{}: {}", self.file, self.line, self.what)
+        }
+    }
+}
+
+impl std::error::Error for TraceError {}
