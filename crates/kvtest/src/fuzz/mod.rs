@@ -12,4 +12,5 @@ pub mod hash_incremental;
 pub mod index_events;
 pub mod router_ops;
 pub mod trace_line;
+#[cfg(feature = "vllm")]
 pub mod vllm_decode;
