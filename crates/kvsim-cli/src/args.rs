@@ -97,7 +97,7 @@ pub(crate) struct RunArgs {
     /// Tokens per prefix.
     #[arg(long, value_name = "L", help_heading = "Synthetic content")]
     des_prefix_len: Option<usize>,
-    /// How requests pick a prefix: uniform, or zipf:<s> for a few hot prefixes.
+    /// How requests pick a prefix: uniform, or zipf:S (exponent S > 0) for a few hot prefixes.
     #[arg(long, value_parser = parse_popularity, value_name = "DIST", help_heading = "Synthetic content")]
     prefix_popularity: Option<Popularity>,
     /// Prompt tokens per request, prefix included (a unique suffix fills the rest).
