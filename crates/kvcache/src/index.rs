@@ -185,6 +185,9 @@ struct WorkerState {
     next_event: u64,
     blocks: usize,
     stale: bool,
+    /// The mirror may not be prefix-closed (a block removed while a block extending it may
+    /// stay, skipped events, a rejected store): queries walk this worker block by block.
+    holey: bool,
 }
 
 /// What [`CacheIndex::apply`] did with an event.
@@ -260,9 +263,16 @@ impl Overlaps {
 ///   the worker possibly stale until it is cleared or removed. A `Stored` event whose parent the
 ///   worker does not hold is rejected ([`Error::UnknownParent`]), consumes its id and marks the
 ///   worker stale. Removing blocks the index never saw is counted ([`Applied::unknown_removed`]).
-/// - [`overlaps`](Self::overlaps) walks the request's blocks from the first, intersecting the set
-///   of workers still matching with each block's holders, and stops when none is left: its cost
-///   grows with the matched depth, not with the number of stored blocks or idle workers.
+/// - [`overlaps`](Self::overlaps) follows the request's blocks from the first, intersecting the
+///   set of workers still matching with the holders of the blocks it probes, and stops when none
+///   is left: its cost grows with the matched depth, not with the number of stored blocks or
+///   idle workers. Keys are sequence hashes (a hash names a block *and its whole prefix*), so
+///   a worker whose mirror is prefix-closed is probed at doubling strides, with a binary search
+///   where the matching set shrinks: a 128-block hit costs about a dozen probes. A worker that
+///   [may have holes](Self::may_have_holes) (it removed blocks, skipped events or had a store
+///   rejected since it was last empty) is walked block by block while it still matches, so every
+///   run is exact. Hashes that break the contract (one hash after two different parents) are
+///   outside it: runs may then count a block whose prefix differs.
 /// - Workers are numbered with dense indices (reused after removal) so callers can keep
 ///   per-worker arrays; `Cleared` and [`remove_worker`](Self::remove_worker) scan all blocks.
 ///
@@ -289,6 +299,9 @@ pub struct CacheIndex {
     blocks: Map<BlockHash, WorkerSet>,
     spill: Spill,
     workers: Vec<Option<WorkerState>>,
+    /// `WorkerState::holey` as a bitset over dense indices, for a word-wise test of the
+    /// workers a query still matches.
+    holey: Vec<u64>,
     ids: Map<WorkerId, u32>,
     free: Vec<u32>,
     pairs: usize,
@@ -314,6 +327,7 @@ impl CacheIndex {
             next_event: 0,
             blocks: 0,
             stale: false,
+            holey: false,
         };
         let i = match self.free.pop() {
             Some(i) => {
@@ -328,7 +342,24 @@ impl CacheIndex {
             }
         };
         self.ids.insert(worker, i);
+        self.set_holey(i, false);
         Ok(i)
+    }
+
+    /// Marks (or clears) the worker at `idx` as possibly holey, in its state and the bitset.
+    fn set_holey(&mut self, idx: u32, holey: bool) {
+        let (word, bit) = (idx as usize / 64, 1u64 << (idx % 64));
+        if self.holey.len() <= word {
+            self.holey.resize(word + 1, 0);
+        }
+        if holey {
+            self.holey[word] |= bit;
+        } else {
+            self.holey[word] &= !bit;
+        }
+        if let Some(Some(st)) = self.workers.get_mut(idx as usize) {
+            st.holey = holey;
+        }
     }
 
     /// Applies one event of `worker` (registering the worker if new). See the type's docs for
@@ -356,6 +387,8 @@ impl CacheIndex {
         };
         st.stale |= out.gap.is_some();
         st.next_event = event_id.saturating_add(1);
+        // Skipped events may have stored or removed anything.
+        let mut holey = st.holey || out.gap.is_some();
         match event {
             KvEvent::Stored { parent, blocks } => {
                 if let Some(p) = *parent {
@@ -365,6 +398,7 @@ impl CacheIndex {
                         .is_some_and(|s| s.contains(idx, &self.spill))
                     {
                         st.stale = true;
+                        self.set_holey(idx, true);
                         return Err(Error::UnknownParent {
                             worker,
                             event_id,
@@ -403,6 +437,9 @@ impl CacheIndex {
                 }
                 st.blocks -= out.removed;
                 self.pairs -= out.removed;
+                // The index does not know which removed block was a leaf of this worker: any
+                // removal that leaves blocks behind may have left a hole.
+                holey |= out.removed > 0;
             }
             KvEvent::Cleared => {
                 out.removed = st.blocks;
@@ -410,6 +447,11 @@ impl CacheIndex {
                 self.drop_blocks(idx);
             }
         }
+        let empty = self.workers[idx as usize]
+            .as_ref()
+            .is_none_or(|s| s.blocks == 0);
+        // An empty mirror is prefix-closed again.
+        self.set_holey(idx, holey && !empty);
         Ok(out)
     }
 
@@ -424,6 +466,7 @@ impl CacheIndex {
             st.stale = false;
         }
         self.drop_blocks(idx);
+        self.set_holey(idx, false);
         n
     }
 
@@ -433,6 +476,7 @@ impl CacheIndex {
             return false;
         };
         self.drop_blocks(idx);
+        self.set_holey(idx, false);
         self.workers[idx as usize] = None;
         self.free.push(idx);
         true
@@ -461,6 +505,13 @@ impl CacheIndex {
     }
 
     /// [`overlaps`](Self::overlaps) into a reused result, allocating nothing once it has grown.
+    ///
+    /// Sequence hashes name a block *and its whole prefix*, so a worker whose mirror is
+    /// prefix-closed holds block `i` only if it holds every block before it: the set of such
+    /// workers still matching can only shrink along the chain. For them the walk probes a few
+    /// positions (doubling strides, then a binary search where the set shrinks) instead of every
+    /// block. Workers that [may have holes](Self::may_have_holes) are walked block by block
+    /// while they still match, so every run stays exact.
     pub fn overlaps_into(&self, chain: &[BlockHash], out: &mut Overlaps) {
         out.reset(self.workers.len());
         let Some(first) = chain.first().and_then(|h| self.blocks.get(h)) else {
@@ -469,45 +520,14 @@ impl CacheIndex {
         let mut buf = [(0, 0)];
         out.active
             .extend_from_slice(first.words(&self.spill, &mut buf));
-        // Probe the blocks a batch at a time: the probes are independent, so their cache misses
-        // overlap instead of being paid one after another between the merges. At most BATCH - 1
-        // probes past the end of the longest run are wasted.
-        const BATCH: usize = 8;
-        let mut sets = [WorkerSet::EMPTY; BATCH];
-        for depth in 1..chain.len() {
-            let k = (depth - 1) % BATCH;
-            if k == 0 {
-                for (set, h) in sets.iter_mut().zip(&chain[depth..]) {
-                    *set = self.blocks.get(h).copied().unwrap_or(WorkerSet::EMPTY);
-                }
-            }
-            let holders = sets[k].words(&self.spill, &mut buf);
-            out.next.clear();
-            let mut j = 0;
-            for &(word, bits) in &out.active {
-                while j < holders.len() && holders[j].0 < word {
-                    j += 1;
-                }
-                let keep = match holders.get(j) {
-                    Some(&(w, b)) if w == word => bits & b,
-                    _ => 0,
-                };
-                if keep != 0 {
-                    out.next.push((word, keep));
-                }
-                record(
-                    &self.workers,
-                    &mut out.runs,
-                    &mut out.matched,
-                    word,
-                    bits & !keep,
-                    depth,
-                );
-            }
-            std::mem::swap(&mut out.active, &mut out.next);
-            if out.active.is_empty() {
-                return;
-            }
+        // Every active worker holds chain[..depth].
+        let mut depth = 1;
+        while depth < chain.len() && !out.active.is_empty() {
+            depth = if self.any_holey(&out.active) {
+                self.walk(chain, depth, out)
+            } else {
+                self.jump(chain, depth, out)
+            };
         }
         for &(word, bits) in &out.active {
             record(
@@ -520,6 +540,122 @@ impl CacheIndex {
             );
         }
         out.active.clear();
+    }
+
+    /// Whether any worker of `active` may have holes.
+    fn any_holey(&self, active: &[(u32, u64)]) -> bool {
+        active
+            .iter()
+            .any(|&(w, bits)| self.holey.get(w as usize).is_some_and(|h| h & bits != 0))
+    }
+
+    /// The holders of `block` (empty when no worker holds it).
+    #[inline]
+    fn holders_of(&self, block: &BlockHash) -> WorkerSet {
+        self.blocks.get(block).copied().unwrap_or(WorkerSet::EMPTY)
+    }
+
+    /// Narrows `out.active` to the holders of `set`, recording the workers that drop out with
+    /// a run of `run`.
+    fn narrow(&self, set: WorkerSet, run: usize, out: &mut Overlaps) {
+        let mut buf = [(0, 0)];
+        let holders = set.words(&self.spill, &mut buf);
+        out.next.clear();
+        let mut j = 0;
+        for &(word, bits) in &out.active {
+            while j < holders.len() && holders[j].0 < word {
+                j += 1;
+            }
+            let keep = match holders.get(j) {
+                Some(&(w, b)) if w == word => bits & b,
+                _ => 0,
+            };
+            if keep != 0 {
+                out.next.push((word, keep));
+            }
+            record(
+                &self.workers,
+                &mut out.runs,
+                &mut out.matched,
+                word,
+                bits & !keep,
+                run,
+            );
+        }
+        std::mem::swap(&mut out.active, &mut out.next);
+    }
+
+    /// Whether every worker of `active` is among the holders in `set`.
+    fn holds_all(&self, active: &[(u32, u64)], set: WorkerSet) -> bool {
+        let mut buf = [(0, 0)];
+        let holders = set.words(&self.spill, &mut buf);
+        let mut j = 0;
+        active.iter().all(|&(word, bits)| {
+            while j < holders.len() && holders[j].0 < word {
+                j += 1;
+            }
+            matches!(holders.get(j), Some(&(w, b)) if w == word && bits & b == bits)
+        })
+    }
+
+    /// Block by block from `depth`, one batch of probes: the probes are independent, so their
+    /// cache misses overlap instead of being paid one after another between the merges.
+    /// Returns the depth reached.
+    fn walk(&self, chain: &[BlockHash], depth: usize, out: &mut Overlaps) -> usize {
+        const BATCH: usize = 8;
+        let end = (depth + BATCH).min(chain.len());
+        let mut sets = [WorkerSet::EMPTY; BATCH];
+        for (set, h) in sets.iter_mut().zip(&chain[depth..end]) {
+            *set = self.holders_of(h);
+        }
+        for (k, &set) in sets[..end - depth].iter().enumerate() {
+            self.narrow(set, depth + k, out);
+            if out.active.is_empty() {
+                return depth + k + 1;
+            }
+        }
+        end
+    }
+
+    /// For prefix-closed active workers only: finds the first position from `depth` where one
+    /// of them stops matching, probing `depth + 2^k - 1` (one batch of independent probes),
+    /// then binary-searching the stretch where the set shrank. Returns the depth reached.
+    fn jump(&self, chain: &[BlockHash], depth: usize, out: &mut Overlaps) -> usize {
+        const PROBES: usize = 16;
+        let n = chain.len();
+        let mut at = [0usize; PROBES];
+        let mut sets = [WorkerSet::EMPTY; PROBES];
+        let mut count = 0;
+        let mut step = 1;
+        while count < PROBES {
+            let p = (depth + step - 1).min(n - 1);
+            at[count] = p;
+            sets[count] = self.holders_of(&chain[p]);
+            count += 1;
+            if p == n - 1 {
+                break;
+            }
+            step *= 2;
+        }
+        // The first probed position some active worker lacks; before it, all hold everything.
+        let Some(k) = (0..count).find(|&k| !self.holds_all(&out.active, sets[k])) else {
+            return at[count - 1] + 1;
+        };
+        let (mut lo, mut hi) = (if k == 0 { depth } else { at[k - 1] + 1 }, at[k]);
+        let mut hi_set = sets[k];
+        // Invariant: all hold chain[..lo]; some active worker lacks chain[hi].
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            let set = self.holders_of(&chain[mid]);
+            if self.holds_all(&out.active, set) {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+                hi_set = set;
+            }
+        }
+        self.narrow(hi_set, hi, out);
+        hi + 1
     }
 
     /// Every block with the dense indices of its holders (for snapshots).
@@ -543,6 +679,7 @@ impl CacheIndex {
         worker: WorkerId,
         next_event: u64,
         stale: bool,
+        holey: bool,
         blocks: &[BlockHash],
     ) -> usize {
         let Some(&idx) = self.ids.get(&worker) else {
@@ -558,6 +695,8 @@ impl CacheIndex {
             st.stale = stale;
             st.blocks += stored;
         }
+        let empty = self.block_count(worker) == 0;
+        self.set_holey(idx, holey && !empty);
         self.pairs += stored;
         stored
     }
@@ -573,6 +712,14 @@ impl CacheIndex {
             (Some(&i), Some(set)) => set.contains(i, &self.spill),
             _ => false,
         }
+    }
+
+    /// Whether `worker`'s mirror may not be prefix-closed: since it was last empty, blocks were
+    /// removed (the index does not know whether a removed block was a leaf), events were
+    /// skipped or a store was rejected. [`overlaps`](Self::overlaps) walks such a worker block by
+    /// block; every other worker's run is found with a few probes.
+    pub fn may_have_holes(&self, worker: WorkerId) -> bool {
+        self.state(worker).is_some_and(|s| s.holey)
     }
 
     /// Whether events of `worker` were skipped or rejected since it was last cleared.

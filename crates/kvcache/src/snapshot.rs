@@ -35,6 +35,15 @@ pub struct WorkerSnapshot {
     pub stale: bool,
     /// The blocks it holds, in hash order.
     pub blocks: Vec<BlockHash>,
+    /// Whether its mirror may have holes (see [`CacheIndex::may_have_holes`]); a snapshot
+    /// written without the field reads as `true`, the safe value.
+    #[cfg_attr(feature = "serde", serde(default = "holes_unknown"))]
+    pub may_have_holes: bool,
+}
+
+#[cfg(feature = "serde")]
+fn holes_unknown() -> bool {
+    true
 }
 
 impl CacheIndex {
@@ -70,6 +79,7 @@ impl CacheIndex {
                     worker: id,
                     next_event_id: self.next_event_id(id).unwrap_or(0),
                     stale: self.is_stale(id),
+                    may_have_holes: self.may_have_holes(id),
                     blocks,
                 })
             })
@@ -100,7 +110,13 @@ impl CacheIndex {
                 });
             }
             index.add_worker(w.worker)?;
-            let stored = index.restore_worker(w.worker, w.next_event_id, w.stale, &w.blocks);
+            let stored = index.restore_worker(
+                w.worker,
+                w.next_event_id,
+                w.stale,
+                w.may_have_holes,
+                &w.blocks,
+            );
             if stored != w.blocks.len() {
                 return Err(Error::BadSnapshot {
                     why: format!("{} lists a block twice", w.worker),

@@ -350,9 +350,15 @@ pub mod strategy {
 
     use super::Op;
 
-    /// Up to 5 blocks out of 12 ids, so that events and queries overlap often.
+    /// Up to 11 codes of a 2-letter alphabet: paths (see [`crate::chains`]) overlap often and
+    /// are long enough for the index's strided probes to skip blocks.
+    pub fn codes() -> impl Strategy<Value = Vec<u8>> {
+        prop::collection::vec(0u8..2, 0..12)
+    }
+
+    /// A chain of sequence hashes: the path of up to 5 codes.
     pub fn blocks() -> impl Strategy<Value = Vec<BlockHash>> {
-        prop::collection::vec((0u64..12).prop_map(BlockHash::new), 0..6)
+        codes().prop_map(|c| crate::chains::path(&c, 2))
     }
 
     /// Mostly events in order (some replays and gaps), queries, and now and then worker
@@ -360,10 +366,13 @@ pub mod strategy {
     pub fn op() -> impl Strategy<Value = Op> {
         // Worker ids spread over two bitset words (0..3 and 64..67) and a far one.
         let worker = prop_oneof![0u64..3, 64u64..67, Just(200u64)];
+        // Stores of whole paths or of their tails under a parent, removals of a path's tail
+        // (a middle stretch or a whole path leaves holes where a longer chain stays).
         let event = prop_oneof![
-            4 => (prop::option::weighted(0.5, (0u64..12).prop_map(BlockHash::new)), blocks())
-                .prop_map(|(parent, blocks)| KvEvent::Stored { parent, blocks }),
-            2 => blocks().prop_map(|blocks| KvEvent::Removed { blocks }),
+            4 => (prop::option::weighted(0.5, any::<u8>()), codes())
+                .prop_map(|(split, c)| crate::chains::stored(&c, split, 2)),
+            1 => (codes(), any::<u8>()).prop_map(|(c, from)| crate::chains::removed(&c, from, 2)),
+            1 => (codes(), any::<u8>()).prop_map(|(c, at)| crate::chains::removed_one(&c, at, 2)),
             1 => Just(KvEvent::Cleared),
         ];
         prop_oneof![

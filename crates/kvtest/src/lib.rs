@@ -4,6 +4,7 @@
 //! replay (`tests/fuzz_regressions.rs`), the benches, the examples and the soak test, so that
 //! none of them copies or `#[path]`-includes another's files.
 //!
+//! - [`chains`]: block lists that obey the sequence-hash contract (a hash names its prefix).
 //! - [`splitmix`]: SplitMix64, the deterministic generator of benches, examples and tests.
 //! - [`cache`]: a naive `BlockCache`, its [`cache::Op`], the differential [`cache::step`].
 //! - [`index`]: a naive `CacheIndex`, its [`index::Op`], the differential [`index::step`].
@@ -15,6 +16,7 @@
 //! checked against them after every operation, together with its `check_invariants`.
 
 pub mod cache;
+pub mod chains;
 pub mod fuzz;
 pub mod index;
 pub mod router;

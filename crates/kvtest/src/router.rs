@@ -125,12 +125,12 @@ pub struct Config {
     pub block_size: u8,
 }
 
-/// A KV event, as codes: block ids are `% 8` (see [`blocks`]).
+/// A KV event, as codes of paths (see [`crate::chains`]).
 #[derive(Debug, Clone, Arbitrary)]
 pub enum Event {
     /// `KvEvent::Stored`.
     Stored {
-        /// The parent block id, if any (`% 8`).
+        /// Where the stored tail starts under its parent (`None`: the whole path from the root).
         parent: Option<u8>,
         /// The stored blocks (at most 10 are used).
         blocks: Vec<u8>,
@@ -145,11 +145,15 @@ impl Event {
     /// The event this stands for.
     pub fn event(&self) -> KvEvent {
         match self {
-            Event::Stored { parent, blocks: b } => KvEvent::Stored {
-                parent: parent.map(|p| BlockHash::new(u64::from(p % 8))),
-                blocks: blocks(b),
+            Event::Stored { parent, blocks: b } => {
+                crate::chains::stored(&b[..b.len().min(10)], *parent, 3)
+            }
+            Event::Removed(b) => match b.split_first() {
+                Some((&from, rest)) => {
+                    crate::chains::removed(&rest[..rest.len().min(10)], from, 3)
+                }
+                None => KvEvent::Removed { blocks: Vec::new() },
             },
-            Event::Removed(b) => KvEvent::Removed { blocks: blocks(b) },
             Event::Cleared => KvEvent::Cleared,
         }
     }
@@ -251,12 +255,10 @@ pub fn role(r: u8) -> Role {
     [Role::Unified, Role::Prefill, Role::Decode][usize::from(r % 3)]
 }
 
-/// A block list: at most 10 blocks, ids `% 8`.
+/// A block list: the chain of sequence hashes of at most 10 codes of a 3-letter alphabet
+/// ([`crate::chains::path`]), so lists that start alike share their leading blocks.
 pub fn blocks(v: &[u8]) -> Vec<BlockHash> {
-    v.iter()
-        .take(10)
-        .map(|&b| BlockHash::new(u64::from(b % 8)))
-        .collect()
+    crate::chains::path(&v[..v.len().min(10)], 3)
 }
 
 fn valid_weight(w: f64) -> bool {

@@ -24,19 +24,18 @@ fn worker(w: u8) -> u64 {
     }
 }
 
+/// At most 8 codes of a 4-letter alphabet, as a chain of sequence hashes
+/// ([`crate::chains::path`]).
 fn blocks(v: &[u8]) -> Vec<BlockHash> {
-    v.iter()
-        .take(8)
-        .map(|&b| BlockHash::new(u64::from(b % 16)))
-        .collect()
+    crate::chains::path(&v[..v.len().min(8)], 4)
 }
 
-/// A KV event: block ids `% 16`, at most 8 blocks.
+/// A KV event on paths of codes (at most 8, see [`crate::chains`]).
 #[derive(Debug, Arbitrary)]
 pub enum FuzzEvent {
     /// `KvEvent::Stored`.
     Stored {
-        /// The parent id, if any.
+        /// Where the stored tail starts under its parent (`None`: the whole path from the root).
         parent: Option<u8>,
         /// The stored blocks.
         blocks: Vec<u8>,
@@ -50,11 +49,13 @@ pub enum FuzzEvent {
 impl FuzzEvent {
     fn event(&self) -> KvEvent {
         match self {
-            FuzzEvent::Stored { parent, blocks: b } => KvEvent::Stored {
-                parent: parent.map(|p| BlockHash::new(u64::from(p % 16))),
-                blocks: blocks(b),
+            FuzzEvent::Stored { parent, blocks: b } => {
+                crate::chains::stored(&b[..b.len().min(8)], *parent, 4)
+            }
+            FuzzEvent::Removed(b) => match b.split_first() {
+                Some((&from, rest)) => crate::chains::removed(&rest[..rest.len().min(8)], from, 4),
+                None => KvEvent::Removed { blocks: Vec::new() },
             },
-            FuzzEvent::Removed(b) => KvEvent::Removed { blocks: blocks(b) },
             FuzzEvent::Cleared => KvEvent::Cleared,
         }
     }

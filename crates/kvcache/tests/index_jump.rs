@@ -1,0 +1,83 @@
+//! `CacheIndex::overlaps` probes prefix-closed workers at strides and walks the ones that may
+//! have holes: against a block-by-block check of `holds`, on long chains with holes punched
+//! at random positions.
+
+use kvcache::{CacheIndex, KvEvent, WorkerId};
+use kvtest::chains::path;
+use proptest::prelude::*;
+
+/// Each worker's leading run of `q`, block by block.
+fn walked(index: &CacheIndex, workers: u64, q: &[kvblock::BlockHash]) -> Vec<usize> {
+    (0..workers)
+        .map(|w| {
+            q.iter()
+                .take_while(|b| index.holds(WorkerId::new(w), **b))
+                .count()
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn strided_probes_equal_the_walk(
+        workers in 1u64..70,
+        chains in prop::collection::vec((0u64..70, prop::collection::vec(0u8..2, 1..80)), 1..24),
+        holes in prop::collection::vec((0u64..70, 0usize..24, 0usize..80), 0..6),
+        queries in prop::collection::vec((0usize..24, 0usize..80, prop::collection::vec(0u8..2, 0..20)), 1..12),
+    ) {
+        let mut index = CacheIndex::new();
+        let mut ids = vec![0u64; workers as usize];
+        let paths: Vec<(u64, Vec<u8>)> = chains.into_iter().map(|(w, c)| (w % workers, c)).collect();
+        for (w, codes) in &paths {
+            let ev = KvEvent::Stored { parent: None, blocks: path(codes, 2) };
+            index.apply(WorkerId::new(*w), ids[*w as usize], &ev).unwrap();
+            ids[*w as usize] += 1;
+        }
+        for &(w, c, at) in &holes {
+            let w = w % workers;
+            let blocks = path(&paths[c % paths.len()].1, 2);
+            let ev = KvEvent::Removed { blocks: vec![blocks[at % blocks.len()]] };
+            index.apply(WorkerId::new(w), ids[w as usize], &ev).unwrap();
+            ids[w as usize] += 1;
+        }
+        index.check_invariants().unwrap();
+        for (c, cut, tail) in queries {
+            // A stored chain's prefix, then a new suffix: what routing mostly sees.
+            let mut codes = paths[c % paths.len()].1.clone();
+            codes.truncate(cut.min(codes.len()));
+            codes.extend(tail);
+            let q = path(&codes, 2);
+            let ov = index.overlaps(&q);
+            let got: Vec<usize> = (0..workers).map(|w| ov.get(WorkerId::new(w))).collect();
+            prop_assert_eq!(got, walked(&index, workers, &q));
+        }
+    }
+}
+
+/// A worker that evicted a middle block is walked; one that only stored is probed.
+#[test]
+fn holes_are_tracked_and_heal_when_empty() {
+    let mut index = CacheIndex::new();
+    let (w0, w1) = (WorkerId::new(0), WorkerId::new(1));
+    let long = path(&[1; 40], 2);
+    for w in [w0, w1] {
+        index
+            .apply(w, 0, &KvEvent::Stored { parent: None, blocks: long.clone() })
+            .unwrap();
+    }
+    index
+        .apply(w1, 1, &KvEvent::Removed { blocks: vec![long[17]] })
+        .unwrap();
+    assert!(!index.may_have_holes(w0) && index.may_have_holes(w1));
+    let ov = index.overlaps(&long);
+    assert_eq!((ov.get(w0), ov.get(w1)), (40, 17));
+    index.apply(w1, 2, &KvEvent::Cleared).unwrap();
+    assert!(!index.may_have_holes(w1));
+    // A gap may hide anything.
+    index
+        .apply(w0, 5, &KvEvent::Stored { parent: None, blocks: long[..1].to_vec() })
+        .unwrap();
+    assert!(index.may_have_holes(w0));
+}
