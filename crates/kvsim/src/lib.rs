@@ -52,6 +52,7 @@ mod engine;
 mod error;
 mod fleet;
 mod report;
+mod requests;
 mod rng;
 mod sim;
 mod stats;
@@ -64,6 +65,9 @@ pub use engine::{Engine, EngineConfig, EngineRequest, Outcome, PlannedStep, Pool
 pub use error::{Error, TraceError};
 pub use kvroute::Policy;
 pub use report::{InstanceReport, PdReport, PoolReport, Report, HOT_SPOT_THRESHOLD};
+pub use requests::{
+    measured_report, workload_requests, MeasuredRequest, PromptContent, WorkloadRequest,
+};
 pub use sim::Simulation;
 pub use stats::Summary;
 pub use timing::{LinearTiming, StepShape, TimingModel};

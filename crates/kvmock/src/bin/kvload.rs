@@ -1,0 +1,316 @@
+//! `kvload`: replays a Mooncake trace or kvsim's synthetic prefix pool against any
+//! OpenAI-compatible endpoint and prints kvsim's report lines over what it measured.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use kvblock::BlockSize;
+use kvmock::load::{self, Api, LoadConfig};
+use kvsim::{ArrivalModel, Popularity, SimConfig, Trace, TraceTiming};
+
+/// Replay traffic against an OpenAI-compatible endpoint (kvmock, kvserver, or a real vLLM) and
+/// measure TTFT, ITL, E2E, throughput and the cached tokens the endpoint reports.
+///
+/// The requests are those kvsim would simulate with the same flags: a Mooncake trace, or the
+/// synthetic prefix pool (same tokens). Every request streams, with max_tokens from the output
+/// length and ignore_eos set; the report has kvsim's lines.
+#[derive(Debug, Parser)]
+#[command(name = "kvload", version, about, long_about, after_help = EXAMPLES, allow_negative_numbers = true)]
+struct Cli {
+    /// The endpoint, http://HOST:PORT.
+    #[arg(long, value_name = "URL")]
+    endpoint: String,
+    /// The model to request [default: the first one /v1/models lists].
+    #[arg(long, value_name = "NAME")]
+    model: Option<String>,
+    /// completions (token ids to /v1/completions) or chat (text to /v1/chat/completions).
+    #[arg(long, default_value = "completions", value_name = "API")]
+    api: Api,
+    /// In-flight requests at most [default: open loop, no cap].
+    #[arg(long, value_name = "N")]
+    max_concurrency: Option<usize>,
+    /// Token ids are reduced modulo N, so that any model's vocabulary accepts them.
+    #[arg(long, default_value_t = 32_000, value_name = "N")]
+    vocab_size: u32,
+    /// Emulated time: send X times faster than the workload's times and report every measured
+    /// time multiplied by X (pass kvmock's --speedup to compare with kvsim).
+    #[arg(long, default_value_t = 1.0, value_name = "X")]
+    speedup: f64,
+    /// A request taking longer than this many seconds fails.
+    #[arg(long, default_value_t = 600.0, value_name = "S")]
+    request_timeout: f64,
+
+    /// Arrival rate, requests per second (synthetic pool, or --trace-timing rate).
+    #[arg(long, value_name = "R", help_heading = "Arrivals (as kvsim)")]
+    request_rate: Option<f64>,
+    /// Arrival process: poisson, constant or gamma.
+    #[arg(long, value_name = "MODEL", help_heading = "Arrivals (as kvsim)")]
+    arrival_model: Option<String>,
+    /// Coefficient of variation of gamma inter-arrival times.
+    #[arg(long, value_name = "CV", help_heading = "Arrivals (as kvsim)")]
+    arrival_cv: Option<f64>,
+    /// Requests to send (a trace: at most its length).
+    #[arg(long, value_name = "N", help_heading = "Arrivals (as kvsim)")]
+    des_num_requests: Option<usize>,
+    /// Seed of the workload and of the tokens standing for trace ids.
+    #[arg(long, value_name = "S", help_heading = "Arrivals (as kvsim)")]
+    seed: Option<u64>,
+
+    /// Prefixes in the synthetic pool.
+    #[arg(long, value_name = "P", help_heading = "Synthetic content (as kvsim)")]
+    des_num_prefixes: Option<usize>,
+    /// Tokens per prefix.
+    #[arg(long, value_name = "L", help_heading = "Synthetic content (as kvsim)")]
+    des_prefix_len: Option<usize>,
+    /// uniform, or zipf:S for a few hot prefixes (Zipf with exponent S).
+    #[arg(
+        long,
+        value_name = "DIST",
+        help_heading = "Synthetic content (as kvsim)"
+    )]
+    prefix_popularity: Option<String>,
+    /// Prompt tokens per request, prefix included.
+    #[arg(
+        long,
+        value_name = "TOKENS",
+        help_heading = "Synthetic content (as kvsim)"
+    )]
+    input_len: Option<usize>,
+    /// Output tokens per request (max_tokens).
+    #[arg(
+        long,
+        value_name = "TOKENS",
+        help_heading = "Synthetic content (as kvsim)"
+    )]
+    output_len: Option<usize>,
+    /// Tokens per KV block of the endpoint, for the report's block figures.
+    #[arg(
+        long,
+        value_name = "TOKENS",
+        help_heading = "Synthetic content (as kvsim)"
+    )]
+    des_block_size: Option<usize>,
+
+    /// Replay this Mooncake-format JSONL trace instead of the synthetic pool.
+    #[arg(long, value_name = "FILE", help_heading = "Trace replay (as kvsim)")]
+    trace: Option<PathBuf>,
+    /// Tokens per block of the trace's hash ids.
+    #[arg(long, default_value_t = Trace::MOONCAKE_BLOCK_SIZE, value_name = "TOKENS", help_heading = "Trace replay (as kvsim)")]
+    trace_block_size: usize,
+    /// Divide the trace's inter-arrival times by X.
+    #[arg(long, value_name = "X", help_heading = "Trace replay (as kvsim)")]
+    trace_speedup: Option<f64>,
+    /// keep: the trace's timestamps; rate: re-time with --arrival-model and --request-rate.
+    #[arg(long, value_name = "MODE", help_heading = "Trace replay (as kvsim)")]
+    trace_timing: Option<String>,
+
+    /// Output format: text or json.
+    #[arg(long, default_value = "text", value_parser = ["text", "json"], value_name = "FORMAT", help_heading = "Output")]
+    format: String,
+    /// No progress bar.
+    #[arg(long, short, help_heading = "Output")]
+    quiet: bool,
+}
+
+const EXAMPLES: &str = "Examples:
+  kvload --endpoint http://127.0.0.1:30000 --des-num-requests 500 --request-rate 8
+  kvload --endpoint http://127.0.0.1:30000 --trace conversation.jsonl --trace-speedup 10
+  kvload --endpoint http://vllm-host:8000 --model meta-llama/Llama-3.1-8B-Instruct --api chat";
+
+fn fail(flag: &str, message: impl std::fmt::Display) -> ! {
+    eprintln!("kvload: invalid {flag}: {message}");
+    std::process::exit(2);
+}
+
+fn sim_config(cli: &Cli) -> SimConfig {
+    let mut cfg = SimConfig::default();
+    if let Some(p) = &cli.trace {
+        let bs =
+            BlockSize::new(cli.trace_block_size).unwrap_or_else(|e| fail("--trace-block-size", e));
+        let trace = Trace::load(p, bs).unwrap_or_else(|e| fail("--trace", e));
+        cfg = cfg.with_trace(trace);
+    }
+    macro_rules! set {
+        ($field:ident, $opt:expr) => {
+            if let Some(v) = $opt {
+                cfg.$field = v;
+            }
+        };
+    }
+    set!(request_rate, cli.request_rate);
+    set!(arrival_cv, cli.arrival_cv);
+    set!(num_requests, cli.des_num_requests);
+    set!(seed, cli.seed);
+    set!(num_prefixes, cli.des_num_prefixes);
+    set!(prefix_len, cli.des_prefix_len);
+    set!(input_len, cli.input_len);
+    set!(output_len, cli.output_len);
+    set!(trace_speedup, cli.trace_speedup);
+    if let Some(m) = &cli.arrival_model {
+        cfg.arrival_model = m
+            .parse::<ArrivalModel>()
+            .unwrap_or_else(|e| fail("--arrival-model", e));
+    }
+    if let Some(p) = &cli.prefix_popularity {
+        cfg.prefix_popularity = p
+            .parse::<Popularity>()
+            .unwrap_or_else(|e| fail("--prefix-popularity", e));
+    }
+    if let Some(t) = &cli.trace_timing {
+        cfg.trace_timing = t
+            .parse::<TraceTiming>()
+            .unwrap_or_else(|e| fail("--trace-timing", e));
+    }
+    if let Some(b) = cli.des_block_size {
+        if cfg.trace.is_some() {
+            fail(
+                "--des-block-size",
+                "a trace uses its own block size (--trace-block-size)",
+            );
+        }
+        cfg.block_size = BlockSize::new(b).unwrap_or_else(|e| fail("--des-block-size", e));
+    } else if cfg.trace.is_none() {
+        cfg.block_size = BlockSize::new(16).unwrap_or_default();
+    }
+    if let Err(e) = cfg.validate() {
+        // The library names the setting; map the common ones to their flags.
+        let text = e.to_string();
+        let flag = [
+            ("request_rate", "--request-rate"),
+            ("arrival_cv", "--arrival-cv"),
+            ("num_requests", "--des-num-requests"),
+            ("num_prefixes", "--des-num-prefixes"),
+            ("prefix_len", "--des-prefix-len"),
+            ("input_len", "--input-len"),
+            ("output_len", "--output-len"),
+            ("trace_speedup", "--trace-speedup"),
+        ]
+        .iter()
+        .find(|(s, _)| text.contains(&format!("invalid {s} ")))
+        .map_or("settings", |(_, f)| *f);
+        fail(flag, text);
+    }
+    cfg
+}
+
+fn main() {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) if !e.use_stderr() => e.exit(),
+        Err(e) => {
+            let text = e.to_string();
+            eprintln!("kvload: {}", kvmock::error::one_line(&text));
+            std::process::exit(2);
+        }
+    };
+    if !cli.endpoint.starts_with("http://") {
+        fail(
+            "--endpoint",
+            format!("{:?}: expected http://HOST:PORT", cli.endpoint),
+        );
+    }
+    if !(cli.request_timeout.is_finite() && cli.request_timeout > 0.0) {
+        fail("--request-timeout", "expected a number of seconds > 0");
+    }
+    if !(cli.speedup.is_finite() && cli.speedup > 0.0) {
+        fail(
+            "--speedup",
+            format!("{}: expected a finite number > 0", cli.speedup),
+        );
+    }
+    if cli.max_concurrency == Some(0) {
+        fail("--max-concurrency", "0: expected at least 1");
+    }
+    let cfg = sim_config(&cli);
+    let (requests, content) = kvsim::workload_requests(&cfg);
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kvload: cannot start the runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    let endpoint = cli.endpoint.trim_end_matches('/').to_string();
+    let result = rt.block_on(async {
+        let model = match &cli.model {
+            Some(m) => m.clone(),
+            None => load::first_model(&endpoint).await?,
+        };
+        let lc = LoadConfig {
+            endpoint: endpoint.clone(),
+            model: model.clone(),
+            api: cli.api,
+            max_concurrency: cli.max_concurrency,
+            vocab_size: cli.vocab_size,
+            seed: cfg.seed,
+            timeout: Duration::from_secs_f64(cli.request_timeout),
+            speedup: cli.speedup,
+        };
+        let bar = indicatif::ProgressBar::new(requests.len() as u64);
+        if cli.quiet || !std::io::stderr().is_terminal() {
+            bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+        }
+        let b = bar.clone();
+        let m = load::run(&lc, &requests, Arc::new(move |n| b.set_position(n as u64))).await;
+        bar.finish_and_clear();
+        Ok::<_, kvmock::MockError>((model, m))
+    });
+    let (model, m) = match result {
+        Ok(x) => x,
+        Err(e) => {
+            eprintln!("kvload: {e}");
+            std::process::exit(1);
+        }
+    };
+    let report = kvsim::measured_report(&cfg, format!("{content}, live"), &m.requests, &m.itl_us);
+    let failed: usize = m.errors.iter().map(|e| e.1).sum();
+    let lag = {
+        let mut l = m.send_lag_us.clone();
+        l.sort_unstable();
+        let ms = |us: u64| us as f64 / 1e3;
+        let mean = l.iter().sum::<u64>() as f64 / l.len().max(1) as f64 / 1e3;
+        let p99 = l
+            .get((l.len() * 99).div_ceil(100).saturating_sub(1))
+            .copied()
+            .unwrap_or(0);
+        (mean, ms(p99), ms(l.last().copied().unwrap_or(0)))
+    };
+    if cli.format == "json" {
+        let mut v = serde_json::to_value(&report).unwrap_or_default();
+        v["endpoint"] = serde_json::json!(endpoint);
+        v["model"] = serde_json::json!(model);
+        v["wall_s"] = serde_json::json!(m.wall_s);
+        v["issued_rps"] = serde_json::json!(m.requests.len() as f64 / m.wall_s.max(1e-9));
+        v["send_lag_ms"] = serde_json::json!({"mean": lag.0, "p99": lag.1, "max": lag.2});
+        v["errors"] = serde_json::json!(m
+            .errors
+            .iter()
+            .map(|(k, n)| serde_json::json!({"reason": k, "count": n}))
+            .collect::<Vec<_>>());
+        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+    } else {
+        println!(
+            "  Endpoint: {endpoint} model={model} | wall {:.2} s",
+            m.wall_s
+        );
+        print!("{}", report.to_text(false));
+        println!(
+            "  Send lag ms: mean {:.1}, p99 {:.1}, max {:.1} (sent after the arrival time)",
+            lag.0, lag.1, lag.2
+        );
+        if failed > 0 {
+            let list: Vec<String> = m.errors.iter().map(|(k, n)| format!("{n} × {k}")).collect();
+            println!("  Errors: {failed} ({})", list.join(", "));
+        }
+    }
+    if failed == m.requests.len() && failed > 0 {
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,471 @@
+//! The engine loop without a clock: the simulator's [`kvsim::Engine`] driven exactly as the
+//! discrete-event simulator drives it (`crates/kvsim/src/sim.rs`), with the arrival and step-end
+//! times supplied by the caller. [`crate::driver`] runs it against the wall clock; a test runs it
+//! with the simulator's own times and must get what `kvsim` gets.
+//!
+//! - On an arrival at time `t`, every step ending at or before `t` ends first; then the request
+//!   is submitted and, if the engine is idle, a step is planned (admit, outcomes, KV events,
+//!   plan), as in the simulator.
+//! - At a step's end: `finish_step`, outcomes, KV events, then the next step.
+//! - Every request that produced a token in the step (the decoding ones, and the ones whose
+//!   prefill ended) gets a [`Note::Token`] stamped with the step's end.
+//! - Each flush of the engine's KV events becomes one batch of vLLM events with engine-private
+//!   hashes ([`crate::events::engine_block_hash`]) and the blocks' token ids.
+
+use std::collections::HashMap;
+
+use kvblock::{BlockHash, BlockHasher, BlockSize};
+use kvcache::KvEvent;
+use kvroute::vllm::{BlockRemoved, BlockStored, EngineEvent, EngineHash};
+use kvsim::{Engine, EngineConfig, EngineRequest, LinearTiming, Outcome};
+
+use crate::events::engine_block_hash;
+
+/// What happened to a request, stamped with emulated microseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Note {
+    /// Scheduled with this many leading prompt blocks already cached.
+    Admitted {
+        /// The request.
+        id: u64,
+        /// Cached leading blocks (engine truth).
+        cached_blocks: usize,
+        /// Emulated time.
+        at_us: u64,
+    },
+    /// One output token was produced.
+    Token {
+        /// The request.
+        id: u64,
+        /// Emulated time.
+        at_us: u64,
+    },
+    /// The last token was produced.
+    Finished {
+        /// The request.
+        id: u64,
+        /// Emulated time.
+        at_us: u64,
+    },
+    /// It can never fit the engine's blocks.
+    Rejected {
+        /// The request.
+        id: u64,
+    },
+}
+
+/// Counters for `/metrics`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Counters {
+    /// Requests running (prefilling or decoding).
+    pub running: usize,
+    /// Requests waiting to be scheduled.
+    pub waiting: usize,
+    /// Share of the KV blocks held by running requests (0 when unbounded).
+    pub kv_usage: f64,
+    /// Prompt tokens of scheduled requests (vLLM's prefix-cache queries).
+    pub prefix_queries: u64,
+    /// Of those, tokens found cached (vLLM's prefix-cache hits).
+    pub prefix_hits: u64,
+    /// Requests finished.
+    pub finished: u64,
+    /// Output tokens produced.
+    pub generation_tokens: u64,
+    /// Prompt tokens of finished requests.
+    pub prompt_tokens: u64,
+    /// Blocks resident in the cache.
+    pub cached_blocks: usize,
+    /// KV events published.
+    pub kv_events: u64,
+    /// Time to first token in emulated seconds, arrival to the end of prefill: cumulative
+    /// counts per bucket of [`TTFT_BUCKETS_S`].
+    pub ttft_buckets: [u64; TTFT_BUCKETS_S.len()],
+    /// Sum of those times, emulated seconds.
+    pub ttft_sum_s: f64,
+    /// Requests that produced a first token.
+    pub ttft_count: u64,
+}
+
+/// vLLM's buckets of `vllm:time_to_first_token_seconds`.
+pub const TTFT_BUCKETS_S: [f64; 22] = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+
+/// One resident or referenced block: its engine hash and tokens.
+#[derive(Debug)]
+struct BlockInfo {
+    engine_hash: u64,
+    tokens: Box<[u32]>,
+    /// Live requests whose prompt has this block.
+    refs: u32,
+    resident: bool,
+}
+
+#[derive(Debug)]
+struct Live {
+    blocks: Vec<BlockHash>,
+    input_len: usize,
+    output_len: usize,
+    arrival_us: u64,
+    first_token: bool,
+}
+
+/// The engine and its bookkeeping, advanced by explicit times.
+#[derive(Debug)]
+pub struct Core {
+    engine: Engine,
+    hasher: BlockHasher,
+    now_us: u64,
+    step_end: Option<u64>,
+    blocks: HashMap<BlockHash, BlockInfo>,
+    live: HashMap<u64, Live>,
+    outcomes: Vec<Outcome>,
+    notes: Vec<Note>,
+    batches: Vec<Vec<EngineEvent>>,
+    counters: Counters,
+    publish: bool,
+}
+
+impl Core {
+    /// An idle engine; `publish` keeps the KV events as vLLM batches for
+    /// [`take_batches`](Self::take_batches).
+    pub fn new(cfg: EngineConfig, timing: LinearTiming, publish: bool) -> Self {
+        Core {
+            engine: Engine::new(cfg, timing),
+            hasher: BlockHasher::new(cfg.block_size),
+            now_us: 0,
+            step_end: None,
+            blocks: HashMap::new(),
+            live: HashMap::new(),
+            outcomes: Vec::new(),
+            notes: Vec::new(),
+            batches: Vec::new(),
+            counters: Counters::default(),
+            publish,
+        }
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> BlockSize {
+        self.hasher.block_size()
+    }
+
+    /// The engine (read only).
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// The emulated time of the last event handled.
+    pub fn now_us(&self) -> u64 {
+        self.now_us
+    }
+
+    /// When the step in progress ends, if one is.
+    pub fn next_deadline(&self) -> Option<u64> {
+        self.step_end
+    }
+
+    /// Ends every step that ends at or before `t_us`, and moves the clock to `t_us`.
+    pub fn advance_to(&mut self, t_us: u64) {
+        while let Some(end) = self.step_end {
+            if end > t_us {
+                break;
+            }
+            self.now_us = end;
+            self.step_done();
+        }
+        self.now_us = self.now_us.max(t_us);
+    }
+
+    /// A request arrives at `t_us` (at least the current time) with its prompt `tokens`.
+    /// Returns `false` (and a [`Note::Rejected`]) if it can never fit.
+    pub fn arrive(&mut self, t_us: u64, id: u64, tokens: &[u32], output_len: usize) -> bool {
+        self.advance_to(t_us);
+        let blocks = self.hasher.sequence_hashes(tokens);
+        let bs = self.block_size().get();
+        // Remember each block's tokens and engine hash, for the events that will name it.
+        let mut parent = None;
+        for (i, &b) in blocks.iter().enumerate() {
+            let info = self.blocks.entry(b).or_insert_with(|| {
+                let t = &tokens[i * bs..(i + 1) * bs];
+                BlockInfo {
+                    engine_hash: engine_block_hash(parent, t),
+                    tokens: t.into(),
+                    refs: 0,
+                    resident: false,
+                }
+            });
+            info.refs += 1;
+            parent = Some(info.engine_hash);
+        }
+        let req = EngineRequest::new(id, blocks.clone(), tokens.len(), output_len);
+        if !self.engine.submit(req) {
+            self.release_blocks(&blocks);
+            self.notes.push(Note::Rejected { id });
+            return false;
+        }
+        self.live.insert(
+            id,
+            Live {
+                blocks,
+                input_len: tokens.len(),
+                output_len,
+                arrival_us: self.now_us,
+                first_token: false,
+            },
+        );
+        if !self.engine.is_busy() {
+            self.start_step();
+        }
+        self.refresh_counters();
+        true
+    }
+
+    /// Moves the notes since the last call to `out`.
+    pub fn take_notes(&mut self, out: &mut Vec<Note>) {
+        out.append(&mut self.notes);
+    }
+
+    /// Moves the KV-event batches since the last call to `out`, one per engine flush.
+    pub fn take_batches(&mut self, out: &mut Vec<Vec<EngineEvent>>) {
+        out.append(&mut self.batches);
+    }
+
+    /// The counters for `/metrics`.
+    pub fn counters(&self) -> Counters {
+        self.counters
+    }
+
+    fn step_done(&mut self) {
+        let at_us = self.now_us;
+        // The requests decoding in this step each produced a token.
+        for id in self.engine.decoding_ids() {
+            self.notes.push(Note::Token { id, at_us });
+        }
+        self.step_end = None;
+        self.engine.finish_step();
+        self.handle_outcomes();
+        self.flush_events();
+        self.start_step();
+        self.refresh_counters();
+    }
+
+    fn start_step(&mut self) {
+        self.engine.admit();
+        self.handle_outcomes();
+        self.flush_events();
+        if let Some(step) = self.engine.plan_step() {
+            self.step_end = Some(self.now_us.saturating_add(step.duration_us));
+        }
+    }
+
+    fn handle_outcomes(&mut self) {
+        let mut out = std::mem::take(&mut self.outcomes);
+        self.engine.take_outcomes(&mut out);
+        let at_us = self.now_us;
+        let bs = self.block_size().get() as u64;
+        for o in out.drain(..) {
+            match o {
+                Outcome::Admitted { id, cached_blocks } => {
+                    if let Some(l) = self.live.get(&id) {
+                        self.counters.prefix_queries += l.input_len as u64;
+                        self.counters.prefix_hits +=
+                            (cached_blocks as u64 * bs).min(l.input_len as u64);
+                    }
+                    self.notes.push(Note::Admitted {
+                        id,
+                        cached_blocks,
+                        at_us,
+                    });
+                }
+                Outcome::FirstToken { id } => {
+                    if let Some(l) = self.live.get_mut(&id) {
+                        if !std::mem::replace(&mut l.first_token, true) {
+                            let s = at_us.saturating_sub(l.arrival_us) as f64 / 1e6;
+                            let c = &mut self.counters;
+                            c.ttft_count += 1;
+                            c.ttft_sum_s += s;
+                            for (b, &le) in c.ttft_buckets.iter_mut().zip(&TTFT_BUCKETS_S) {
+                                *b += u64::from(s <= le);
+                            }
+                        }
+                    }
+                    self.notes.push(Note::Token { id, at_us });
+                }
+                Outcome::Finished { id } => {
+                    if let Some(l) = self.live.remove(&id) {
+                        self.counters.finished += 1;
+                        self.counters.prompt_tokens += l.input_len as u64;
+                        self.counters.generation_tokens += l.output_len as u64;
+                        self.release_blocks(&l.blocks);
+                    }
+                    self.notes.push(Note::Finished { id, at_us });
+                }
+                _ => {}
+            }
+        }
+        self.outcomes = out;
+    }
+
+    fn release_blocks(&mut self, blocks: &[BlockHash]) {
+        for b in blocks {
+            if let Some(info) = self.blocks.get_mut(b) {
+                info.refs = info.refs.saturating_sub(1);
+                if info.refs == 0 && !info.resident {
+                    self.blocks.remove(b);
+                }
+            }
+        }
+    }
+
+    fn flush_events(&mut self) {
+        if self.engine.pending_events() == 0 {
+            return;
+        }
+        let events: Vec<KvEvent> = self.engine.drain_events().collect();
+        let bs = self.block_size().get() as u64;
+        let mut batch = Vec::with_capacity(events.len());
+        for ev in events {
+            match ev {
+                KvEvent::Stored { parent, blocks } => {
+                    let mut hashes = Vec::with_capacity(blocks.len());
+                    let mut tokens = Vec::with_capacity(blocks.len() * bs as usize);
+                    for b in &blocks {
+                        if let Some(info) = self.blocks.get_mut(b) {
+                            info.resident = true;
+                            hashes.push(EngineHash::Int(info.engine_hash));
+                            tokens.extend_from_slice(&info.tokens);
+                        }
+                    }
+                    let parent = parent
+                        .and_then(|p| self.blocks.get(&p))
+                        .map(|i| EngineHash::Int(i.engine_hash));
+                    let mut s = BlockStored::new(hashes, parent, tokens, bs);
+                    s.medium = Some("GPU".into());
+                    batch.push(EngineEvent::BlockStored(s));
+                }
+                KvEvent::Removed { blocks } => {
+                    let mut hashes = Vec::with_capacity(blocks.len());
+                    for b in &blocks {
+                        if let Some(info) = self.blocks.get_mut(b) {
+                            info.resident = false;
+                            hashes.push(EngineHash::Int(info.engine_hash));
+                            if info.refs == 0 {
+                                self.blocks.remove(b);
+                            }
+                        }
+                    }
+                    let mut r = BlockRemoved::new(hashes);
+                    r.medium = Some("GPU".into());
+                    batch.push(EngineEvent::BlockRemoved(r));
+                }
+                KvEvent::Cleared => {
+                    self.blocks.retain(|_, i| {
+                        i.resident = false;
+                        i.refs > 0
+                    });
+                    batch.push(EngineEvent::AllBlocksCleared);
+                }
+            }
+        }
+        self.counters.kv_events += batch.len() as u64;
+        if self.publish && !batch.is_empty() {
+            self.batches.push(batch);
+        }
+    }
+
+    fn refresh_counters(&mut self) {
+        let e = &self.engine;
+        self.counters.running = e.running();
+        self.counters.waiting = e.waiting();
+        self.counters.cached_blocks = e.cache().len();
+        self.counters.kv_usage = match e.config().kv_blocks {
+            Some(total) if total > 0 => {
+                (e.cache().pinned_blocks() + e.reserved_blocks()) as f64 / total as f64
+            }
+            _ => 0.0,
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvroute::vllm::VllmIngest;
+    use kvroute::{Router, WorkerId};
+
+    fn cfg(kv: Option<usize>) -> EngineConfig {
+        let mut c = EngineConfig::new(BlockSize::new(4).unwrap());
+        c.kv_blocks = kv;
+        c
+    }
+
+    fn run(core: &mut Core) -> Vec<Note> {
+        while let Some(t) = core.next_deadline() {
+            core.advance_to(t);
+        }
+        let mut notes = Vec::new();
+        core.take_notes(&mut notes);
+        notes
+    }
+
+    #[test]
+    fn a_request_gets_all_its_tokens_and_a_second_one_hits() {
+        let mut core = Core::new(cfg(None), LinearTiming::default(), true);
+        let prompt: Vec<u32> = (0..10).collect();
+        assert!(core.arrive(0, 1, &prompt, 3));
+        let notes = run(&mut core);
+        let tokens = notes
+            .iter()
+            .filter(|n| matches!(n, Note::Token { id: 1, .. }))
+            .count();
+        assert_eq!(tokens, 3);
+        assert!(matches!(notes.last(), Some(Note::Finished { id: 1, .. })));
+        let t = core.now_us() + 1_000;
+        assert!(core.arrive(t, 2, &prompt, 1));
+        let notes = run(&mut core);
+        assert!(notes.contains(&Note::Admitted {
+            id: 2,
+            cached_blocks: 2,
+            at_us: t
+        }));
+    }
+
+    #[test]
+    fn published_events_rebuild_the_cache_in_a_router() {
+        // A tiny cache, so that blocks are evicted and removals published.
+        let mut core = Core::new(cfg(Some(12)), LinearTiming::default(), true);
+        let mut t = 0;
+        for id in 0..30u64 {
+            let prompt: Vec<u32> = (0..16).map(|k| (id % 5) as u32 * 100 + k).collect();
+            core.arrive(t, id, &prompt, 2);
+            t += 3_000;
+        }
+        run(&mut core);
+        let mut batches = Vec::new();
+        core.take_batches(&mut batches);
+        let mut router = Router::builder()
+            .block_size(BlockSize::new(4).unwrap())
+            .build()
+            .unwrap();
+        let w = WorkerId::new(0);
+        router.add_worker(w);
+        let mut ingest = VllmIngest::new();
+        for (seq, b) in batches.into_iter().enumerate() {
+            let payload = crate::events::encode_batch(
+                &kvroute::vllm::EventBatch::new(0.0, b),
+                crate::events::WireShape::Map,
+            );
+            let seq = (seq as u64).to_be_bytes();
+            let s = ingest
+                .apply_multipart(&mut router, w, &[&b""[..], &seq[..], &payload[..]])
+                .unwrap();
+            assert_eq!((s.unknown_parents, s.unknown_removals), (0, 0));
+        }
+        assert!(core.engine().cache().stats().evictions > 0);
+        assert_eq!(router.cache_view(w), core.engine().cache().len());
+        // Nothing is left referenced but the resident blocks.
+        assert_eq!(core.blocks.len(), core.engine().cache().len());
+    }
+}

@@ -1,0 +1,678 @@
+//! The OpenAI-compatible HTTP API, as vLLM serves it: completions and chat completions (plain
+//! or streamed as server-sent events at the emulated token times), models, health, version,
+//! metrics.
+
+use std::convert::Infallible;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use crate::driver::{EngineHandle, Progress};
+use crate::tokenize::{ChatTemplate, Codec};
+
+/// What the HTTP layer needs to know about the engine and the model.
+#[derive(Debug)]
+pub struct ApiConfig {
+    /// The model name served (`--served-model-name`).
+    pub model: String,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// KV blocks of the engine (`None`: unbounded).
+    pub kv_blocks: Option<usize>,
+    /// Prompt plus output tokens at most (`--max-model-len`).
+    pub max_model_len: usize,
+    /// Seed of the output tokens.
+    pub seed: u64,
+    /// Prompt text to tokens and output tokens to text.
+    pub codec: Codec,
+    /// The chat template.
+    pub template: ChatTemplate,
+    /// `engine` label of the metrics (the data-parallel rank).
+    pub engine_label: String,
+}
+
+struct AppState {
+    cfg: ApiConfig,
+    engine: EngineHandle,
+    next_id: AtomicU64,
+    created: u64,
+}
+
+/// The axum application over a running engine.
+pub fn app(cfg: ApiConfig, engine: EngineHandle) -> Router {
+    let created = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let state = Arc::new(AppState {
+        cfg,
+        engine,
+        next_id: AtomicU64::new(0),
+        created,
+    });
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { StatusCode::OK }))
+        .route(
+            "/version",
+            get(|| async {
+                json_body(&json!({"version": concat!("kvmock ", env!("CARGO_PKG_VERSION"))}))
+            }),
+        )
+        .route("/metrics", get(metrics))
+        .fallback(|| async {
+            error(
+                StatusCode::NOT_FOUND,
+                "NotFoundError",
+                "no such route".into(),
+            )
+        })
+        .layer(DefaultBodyLimit::max(256 << 20))
+        .with_state(state)
+}
+
+/// An API error: OpenAI's error object, with vLLM's type names.
+#[derive(Debug)]
+struct ApiError {
+    status: StatusCode,
+    kind: &'static str,
+    message: String,
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({"error": {"message": self.message, "type": self.kind, "param": null,
+                                    "code": self.status.as_u16()}});
+        (self.status, json_body(&body)).into_response()
+    }
+}
+
+fn error(status: StatusCode, kind: &'static str, message: String) -> ApiError {
+    ApiError {
+        status,
+        kind,
+        message,
+    }
+}
+
+fn bad(message: impl Into<String>) -> ApiError {
+    error(StatusCode::BAD_REQUEST, "BadRequestError", message.into())
+}
+
+fn json_body(v: &Value) -> ([(header::HeaderName, &'static str); 1], String) {
+    ([(header::CONTENT_TYPE, "application/json")], v.to_string())
+}
+
+async fn models(State(st): State<Arc<AppState>>) -> Response {
+    let m = &st.cfg.model;
+    let body = json!({"object": "list", "data": [{
+        "id": m, "object": "model", "created": st.created, "owned_by": "vllm", "root": m,
+        "parent": null, "max_model_len": st.cfg.max_model_len,
+    }]});
+    json_body(&body).into_response()
+}
+
+async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+    let c = st.engine.counters();
+    let labels = format!(
+        "engine=\"{}\",model_name=\"{}\"",
+        st.cfg.engine_label, st.cfg.model
+    );
+    let mut s = String::new();
+    let mut put = |name: &str, kind: &str, help: &str, extra: &str, v: String| {
+        let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        let _ = writeln!(s, "{name}{{{labels}{extra}}} {v}");
+    };
+    put(
+        "vllm:num_requests_running",
+        "gauge",
+        "Number of requests in model execution batches.",
+        "",
+        c.running.to_string(),
+    );
+    put(
+        "vllm:num_requests_waiting",
+        "gauge",
+        "Number of requests waiting to be processed.",
+        "",
+        c.waiting.to_string(),
+    );
+    put(
+        "vllm:kv_cache_usage_perc",
+        "gauge",
+        "KV-cache usage. 1 means 100 percent usage.",
+        "",
+        c.kv_usage.to_string(),
+    );
+    put(
+        "vllm:gpu_cache_usage_perc",
+        "gauge",
+        "GPU KV-cache usage. 1 means 100 percent usage (the older name).",
+        "",
+        c.kv_usage.to_string(),
+    );
+    put(
+        "vllm:prefix_cache_queries_total",
+        "counter",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        "",
+        c.prefix_queries.to_string(),
+    );
+    put(
+        "vllm:prefix_cache_hits_total",
+        "counter",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        "",
+        c.prefix_hits.to_string(),
+    );
+    // The names of earlier vLLM releases, for dashboards that still read them.
+    put(
+        "vllm:gpu_prefix_cache_queries_total",
+        "counter",
+        "GPU prefix cache queries, in terms of number of queried tokens (the older name).",
+        "",
+        c.prefix_queries.to_string(),
+    );
+    put(
+        "vllm:gpu_prefix_cache_hits_total",
+        "counter",
+        "GPU prefix cache hits, in terms of number of cached tokens (the older name).",
+        "",
+        c.prefix_hits.to_string(),
+    );
+    put(
+        "vllm:gpu_prefix_cache_hit_rate",
+        "gauge",
+        "GPU prefix cache block hit rate (vLLM 0.x).",
+        "",
+        if c.prefix_queries == 0 {
+            "0".to_string()
+        } else {
+            (c.prefix_hits as f64 / c.prefix_queries as f64).to_string()
+        },
+    );
+    put(
+        "vllm:prompt_tokens_total",
+        "counter",
+        "Number of prefill tokens processed.",
+        "",
+        c.prompt_tokens.to_string(),
+    );
+    put(
+        "vllm:generation_tokens_total",
+        "counter",
+        "Number of generation tokens processed.",
+        "",
+        c.generation_tokens.to_string(),
+    );
+    put(
+        "vllm:request_success_total",
+        "counter",
+        "Count of successfully processed requests.",
+        ",finished_reason=\"length\"",
+        c.finished.to_string(),
+    );
+    {
+        let name = "vllm:time_to_first_token_seconds";
+        let _ = writeln!(
+            s,
+            "# HELP {name} Histogram of time to first token in seconds (emulated time: arrival at \
+             the server to the end of prefill).\n# TYPE {name} histogram"
+        );
+        for (le, n) in crate::core::TTFT_BUCKETS_S.iter().zip(&c.ttft_buckets) {
+            let _ = writeln!(s, "{name}_bucket{{{labels},le=\"{le:?}\"}} {n}");
+        }
+        let _ = writeln!(s, "{name}_bucket{{{labels},le=\"+Inf\"}} {}", c.ttft_count);
+        let _ = writeln!(s, "{name}_sum{{{labels}}} {}", c.ttft_sum_s);
+        let _ = writeln!(s, "{name}_count{{{labels}}} {}", c.ttft_count);
+    }
+    let mut put = |name: &str, kind: &str, help: &str, extra: &str, v: String| {
+        let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        let _ = writeln!(s, "{name}{{{labels}{extra}}} {v}");
+    };
+    put(
+        "kvmock:cached_blocks",
+        "gauge",
+        "Blocks resident in the emulated engine's cache.",
+        "",
+        c.cached_blocks.to_string(),
+    );
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        s,
+    )
+        .into_response()
+}
+
+/// A validated request, ready for the engine.
+struct Prepared {
+    tokens: Vec<u32>,
+    max_tokens: usize,
+    stream: bool,
+    include_usage: bool,
+    chat: bool,
+}
+
+fn parse_body(body: &Bytes) -> Result<serde_json::Map<String, Value>, ApiError> {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(_) => Err(bad("the request body must be a JSON object")),
+        Err(e) => Err(bad(format!("malformed JSON: {e}"))),
+    }
+}
+
+fn common(st: &AppState, req: &serde_json::Map<String, Value>) -> Result<(), ApiError> {
+    match req.get("model") {
+        None | Some(Value::Null) => Ok(()),
+        Some(Value::String(m)) if *m == st.cfg.model => Ok(()),
+        Some(m) => Err(error(
+            StatusCode::NOT_FOUND,
+            "NotFoundError",
+            format!("The model `{}` does not exist.", m.as_str().unwrap_or("?")),
+        )),
+    }
+}
+
+fn max_tokens(req: &serde_json::Map<String, Value>, keys: &[&str]) -> Result<usize, ApiError> {
+    for k in keys {
+        match req.get(*k) {
+            None | Some(Value::Null) => continue,
+            Some(v) => {
+                return match v.as_u64() {
+                    Some(n) if n >= 1 => Ok(usize::try_from(n).unwrap_or(usize::MAX)),
+                    _ => Err(bad(format!("{k} must be at least 1, got {v}"))),
+                };
+            }
+        }
+    }
+    Ok(16)
+}
+
+fn flag(req: &serde_json::Map<String, Value>, key: &str) -> Result<bool, ApiError> {
+    match req.get(key) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(v) => Err(bad(format!("{key} must be a boolean, got {v}"))),
+    }
+}
+
+fn finish_prepare(
+    st: &AppState,
+    req: &serde_json::Map<String, Value>,
+    tokens: Vec<u32>,
+    max_tokens: usize,
+    chat: bool,
+) -> Result<Prepared, ApiError> {
+    let _ = flag(req, "ignore_eos")?; // accepted: outputs always run to max_tokens
+    let stream = flag(req, "stream")?;
+    let include_usage = stream
+        && req
+            .get("stream_options")
+            .and_then(|o| o.get("include_usage"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
+    if tokens.is_empty() {
+        return Err(bad("the prompt is empty"));
+    }
+    if let Some(limit) = st.cfg.codec.vocab_limit() {
+        if let Some(t) = tokens.iter().find(|&&t| t >= limit) {
+            return Err(bad(format!(
+                "token id {t} is out of vocabulary (size {limit})"
+            )));
+        }
+    }
+    let total = tokens.len().saturating_add(max_tokens);
+    if total > st.cfg.max_model_len {
+        return Err(bad(format!(
+            "This model's maximum context length is {} tokens. However, you requested {total} tokens \
+             ({} in the messages, {max_tokens} in the completion).",
+            st.cfg.max_model_len,
+            tokens.len()
+        )));
+    }
+    if let Some(kv) = st.cfg.kv_blocks {
+        let need = total.div_ceil(st.cfg.block_size);
+        if need > kv {
+            return Err(bad(format!(
+                "the request needs {need} KV blocks of {} tokens ({total} tokens) but the engine has {kv}",
+                st.cfg.block_size
+            )));
+        }
+    }
+    Ok(Prepared {
+        tokens,
+        max_tokens,
+        stream,
+        include_usage,
+        chat,
+    })
+}
+
+fn prepare_completion(st: &AppState, body: &Bytes) -> Result<Prepared, ApiError> {
+    let req = parse_body(body)?;
+    common(st, &req)?;
+    let ids = |items: &[Value]| -> Option<Vec<u32>> {
+        items
+            .iter()
+            .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+            .collect()
+    };
+    let encode = |text: &str| st.cfg.codec.encode(text, true).map_err(bad);
+    let tokens = match req.get("prompt") {
+        None | Some(Value::Null) => return Err(bad("missing field `prompt`")),
+        Some(Value::String(s)) => encode(s)?,
+        Some(Value::Array(items)) if items.is_empty() => return Err(bad("the prompt is empty")),
+        Some(Value::Array(items)) => {
+            match &items[0] {
+                Value::Number(_) => {
+                    ids(items).ok_or_else(|| bad("prompt: token ids must be integers >= 0"))?
+                }
+                Value::String(s) if items.len() == 1 => encode(s)?,
+                Value::Array(inner) if items.len() == 1 => {
+                    ids(inner).ok_or_else(|| bad("prompt: token ids must be integers >= 0"))?
+                }
+                _ => return Err(bad(
+                    "prompt: one text or one list of token ids (batched prompts are not supported)",
+                )),
+            }
+        }
+        Some(v) => return Err(bad(format!("prompt: expected text or token ids, got {v}"))),
+    };
+    let n = max_tokens(&req, &["max_tokens"])?;
+    finish_prepare(st, &req, tokens, n, false)
+}
+
+fn prepare_chat(st: &AppState, body: &Bytes) -> Result<Prepared, ApiError> {
+    let req = parse_body(body)?;
+    common(st, &req)?;
+    let Some(Value::Array(msgs)) = req.get("messages") else {
+        return Err(bad("missing field `messages` (a list of messages)"));
+    };
+    if msgs.is_empty() {
+        return Err(bad("messages is empty"));
+    }
+    // Content given as a list of parts becomes its text parts, joined.
+    let mut norm = Vec::with_capacity(msgs.len());
+    for m in msgs {
+        let Some(role) = m.get("role").and_then(Value::as_str) else {
+            return Err(bad("every message needs a string `role`"));
+        };
+        let content = match m.get("content") {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Array(parts)) => parts
+                .iter()
+                .filter_map(|p| p.get("text").and_then(Value::as_str))
+                .collect::<Vec<_>>()
+                .join("\n"),
+            None | Some(Value::Null) => String::new(),
+            Some(v) => return Err(bad(format!("message content: expected text, got {v}"))),
+        };
+        norm.push(json!({"role": role, "content": content}));
+    }
+    let text = st
+        .cfg
+        .template
+        .render(&Value::Array(norm))
+        .map_err(|e| bad(e.to_string()))?;
+    let tokens = st.cfg.codec.encode(&text, false).map_err(bad)?;
+    let n = max_tokens(&req, &["max_completion_tokens", "max_tokens"])?;
+    finish_prepare(st, &req, tokens, n, true)
+}
+
+async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let arrived = Instant::now();
+    match prepare_completion(&st, &body) {
+        Ok(p) => run(st, p, arrived).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let arrived = Instant::now();
+    match prepare_chat(&st, &body) {
+        Ok(p) => run(st, p, arrived).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Per-request identity of the responses.
+struct Meta {
+    id: String,
+    created: u64,
+    model: String,
+    chat: bool,
+}
+
+impl Meta {
+    fn chunk(&self, text: &str, finish: Option<&str>) -> Value {
+        if self.chat {
+            json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                   "choices": [{"index": 0, "delta": {"content": text}, "logprobs": null, "finish_reason": finish}]})
+        } else {
+            json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                   "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish, "stop_reason": null}]})
+        }
+    }
+
+    /// The streamed token chunk as `(head, tail)` around the JSON string of the token's text:
+    /// the same document as [`chunk`](Self::chunk), formatted once per request instead of once
+    /// per token.
+    fn token_frame(&self, finish: Option<&str>) -> (String, String) {
+        let marker = "\u{1}KVMOCK\u{1}";
+        let doc = self.chunk(marker, finish).to_string();
+        let quoted = Value::from(marker).to_string();
+        match doc.split_once(&quoted) {
+            Some((h, t)) => (format!("data: {h}"), format!("{t}\n\n")),
+            None => (format!("data: {doc}"), "\n\n".into()),
+        }
+    }
+
+    fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
+        json!({"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
+               "prompt_tokens_details": {"cached_tokens": cached}})
+    }
+}
+
+/// Appends one streamed token chunk: `head`, the text as a JSON string, `tail`.
+fn token_sse(frame: &(String, String), text: &str, out: &mut Vec<u8>) {
+    out.extend_from_slice(frame.0.as_bytes());
+    out.extend_from_slice(Value::from(text).to_string().as_bytes());
+    out.extend_from_slice(frame.1.as_bytes());
+}
+
+fn sse(v: &Value, out: &mut Vec<u8>) {
+    out.extend_from_slice(b"data: ");
+    out.extend_from_slice(v.to_string().as_bytes());
+    out.extend_from_slice(b"\n\n");
+}
+
+async fn run(st: Arc<AppState>, p: Prepared, arrived: Instant) -> Response {
+    let n = st.next_id.fetch_add(1, Ordering::Relaxed);
+    let meta = Meta {
+        id: format!("{}-{n}", if p.chat { "chatcmpl" } else { "cmpl" }),
+        created: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        model: st.cfg.model.clone(),
+        chat: p.chat,
+    };
+    let prompt_hash = xxhash_rust::xxh3::xxh3_64(
+        &p.tokens
+            .iter()
+            .flat_map(|t| t.to_le_bytes())
+            .collect::<Vec<u8>>(),
+    );
+    let prompt_len = p.tokens.len();
+    let mut progress = st.engine.submit(n, arrived, p.tokens, p.max_tokens);
+    let codec = st.cfg.codec.clone();
+    let seed = st.cfg.seed;
+    let bs = st.cfg.block_size;
+    if !p.stream {
+        let mut dec = codec.decoder();
+        let (mut text, mut k, mut cached) = (String::new(), 0usize, 0usize);
+        loop {
+            match progress.recv().await {
+                Some(Progress::Admitted { cached_blocks }) => cached = cached_blocks * bs,
+                Some(Progress::Token) => {
+                    text.push_str(&dec.push(codec.output_token(seed, prompt_hash, k)));
+                    k += 1;
+                }
+                Some(Progress::Finished) => break,
+                Some(Progress::Rejected) => {
+                    return bad("the request can never fit the KV cache").into_response()
+                }
+                None => {
+                    return error(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "InternalServerError",
+                        "the engine stopped".into(),
+                    )
+                    .into_response()
+                }
+            }
+        }
+        let choice = if meta.chat {
+            json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": "length"})
+        } else {
+            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": "length", "stop_reason": null})
+        };
+        let body = json!({"id": meta.id, "object": if meta.chat { "chat.completion" } else { "text_completion" },
+            "created": meta.created, "model": meta.model, "choices": [choice],
+            "usage": Meta::usage(prompt_len, k, cached.min(prompt_len))});
+        return json_body(&body).into_response();
+    }
+    let mut out = Vec::new();
+    if meta.chat {
+        let mut first = meta.chunk("", None);
+        first["choices"][0]["delta"] = json!({"role": "assistant", "content": ""});
+        sse(&first, &mut out);
+    }
+    let state = SseState {
+        frames: (meta.token_frame(None), meta.token_frame(Some("length"))),
+        meta,
+        progress,
+        decoder: codec.decoder(),
+        codec,
+        seed,
+        prompt_hash,
+        prompt_len,
+        block_size: bs,
+        max_tokens: p.max_tokens,
+        include_usage: p.include_usage,
+        tokens: 0,
+        cached: 0,
+        done: false,
+        pending: out,
+    };
+    // The body reads the engine's progress itself: no task between the engine and the socket.
+    let stream = futures_util::stream::unfold(state, |mut st| async move {
+        st.next_bytes().await.map(|b| (Ok::<_, Infallible>(b), st))
+    });
+    (
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        Body::from_stream(stream),
+    )
+        .into_response()
+}
+
+/// A streamed response in progress: turns the engine's progress into SSE bytes.
+struct SseState {
+    meta: Meta,
+    /// Token chunk frames: (not the last, the last).
+    frames: ((String, String), (String, String)),
+    progress: mpsc::UnboundedReceiver<Progress>,
+    codec: Codec,
+    decoder: crate::tokenize::Decoder,
+    seed: u64,
+    prompt_hash: u64,
+    prompt_len: usize,
+    block_size: usize,
+    max_tokens: usize,
+    include_usage: bool,
+    tokens: usize,
+    cached: usize,
+    done: bool,
+    /// Bytes to send before waiting again (the chat role chunk).
+    pending: Vec<u8>,
+}
+
+impl SseState {
+    /// The next bytes to write: everything the engine produced since the last call, in one
+    /// piece; `None` once the stream has ended.
+    async fn next_bytes(&mut self) -> Option<Bytes> {
+        let mut out = std::mem::take(&mut self.pending);
+        if !out.is_empty() {
+            return Some(Bytes::from(out));
+        }
+        if self.done {
+            return None;
+        }
+        let mut next = self.progress.recv().await;
+        if next.is_none() {
+            self.done = true;
+            return None;
+        }
+        while let Some(p) = next.take() {
+            match p {
+                Progress::Admitted { cached_blocks } => {
+                    self.cached = cached_blocks * self.block_size;
+                }
+                Progress::Token => {
+                    let id = self
+                        .codec
+                        .output_token(self.seed, self.prompt_hash, self.tokens);
+                    let text = self.decoder.push(id);
+                    self.tokens += 1;
+                    let f = if self.tokens >= self.max_tokens {
+                        &self.frames.1
+                    } else {
+                        &self.frames.0
+                    };
+                    token_sse(f, &text, &mut out);
+                }
+                Progress::Finished => self.done = true,
+                Progress::Rejected => {
+                    let e = json!({"error": {"message": "the request can never fit the KV cache",
+                                   "type": "BadRequestError", "code": 400}});
+                    sse(&e, &mut out);
+                    self.done = true;
+                }
+            }
+            if self.done {
+                break;
+            }
+            next = self.progress.try_recv().ok();
+        }
+        if self.done {
+            if self.include_usage {
+                let mut u = self.meta.chunk("", None);
+                u["choices"] = json!([]);
+                u["usage"] = Meta::usage(
+                    self.prompt_len,
+                    self.tokens,
+                    self.cached.min(self.prompt_len),
+                );
+                sse(&u, &mut out);
+            }
+            out.extend_from_slice(b"data: [DONE]\n\n");
+        }
+        Some(Bytes::from(out))
+    }
+}
