@@ -64,11 +64,24 @@ fn holes_are_tracked_and_heal_when_empty() {
     let long = path(&[1; 40], 2);
     for w in [w0, w1] {
         index
-            .apply(w, 0, &KvEvent::Stored { parent: None, blocks: long.clone() })
+            .apply(
+                w,
+                0,
+                &KvEvent::Stored {
+                    parent: None,
+                    blocks: long.clone(),
+                },
+            )
             .unwrap();
     }
     index
-        .apply(w1, 1, &KvEvent::Removed { blocks: vec![long[17]] })
+        .apply(
+            w1,
+            1,
+            &KvEvent::Removed {
+                blocks: vec![long[17]],
+            },
+        )
         .unwrap();
     assert!(!index.may_have_holes(w0) && index.may_have_holes(w1));
     let ov = index.overlaps(&long);
@@ -77,7 +90,14 @@ fn holes_are_tracked_and_heal_when_empty() {
     assert!(!index.may_have_holes(w1));
     // A gap may hide anything.
     index
-        .apply(w0, 5, &KvEvent::Stored { parent: None, blocks: long[..1].to_vec() })
+        .apply(
+            w0,
+            5,
+            &KvEvent::Stored {
+                parent: None,
+                blocks: long[..1].to_vec(),
+            },
+        )
         .unwrap();
     assert!(index.may_have_holes(w0));
 }

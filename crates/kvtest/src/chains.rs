@@ -22,10 +22,7 @@ pub fn path(codes: &[u8], alphabet: u8) -> Vec<BlockHash> {
     codes
         .iter()
         .map(|&c| {
-            let h = chain(
-                parent,
-                LocalBlockHash::new(u64::from(c % alphabet.max(1))),
-            );
+            let h = chain(parent, LocalBlockHash::new(u64::from(c % alphabet.max(1))));
             parent = Some(h);
             h
         })

@@ -149,9 +149,7 @@ impl Event {
                 crate::chains::stored(&b[..b.len().min(10)], *parent, 3)
             }
             Event::Removed(b) => match b.split_first() {
-                Some((&from, rest)) => {
-                    crate::chains::removed(&rest[..rest.len().min(10)], from, 3)
-                }
+                Some((&from, rest)) => crate::chains::removed(&rest[..rest.len().min(10)], from, 3),
                 None => KvEvent::Removed { blocks: Vec::new() },
             },
             Event::Cleared => KvEvent::Cleared,
