@@ -250,9 +250,7 @@ impl Parents {
                 }
             },
         };
-        if id as usize >= self.dense.len()
-            && id < (self.count as u64).saturating_mul(8).max(1 << 16)
-        {
+        if id as usize >= self.dense.len() && id < (self.count as u64).saturating_mul(8).max(1 << 16) {
             self.dense
                 .resize((id as usize + 1).next_power_of_two(), (0, 0));
         }
