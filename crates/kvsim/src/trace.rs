@@ -250,7 +250,7 @@ impl Parents {
                 }
             },
         };
-        if id as usize >= self.dense.len() && id < (self.count as u64).saturating_mul(8).max(1 << 16) {
+        if id as usize >= self.dense.len() && id < (8 * self.count as u64).max(1 << 16) {
             self.dense
                 .resize((id as usize + 1).next_power_of_two(), (0, 0));
         }
@@ -300,8 +300,7 @@ fn fast_line(raw: &str, ids: &mut Vec<u64>) -> Option<(f64, usize, usize)> {
         let start = *i;
         let mut n: u64 = 0;
         while *i < b.len() && b[*i].is_ascii_digit() {
-            // Wrapping: a literal too long for u64 is refused below, whatever it wrapped to.
-            n = n.wrapping_mul(10).wrapping_add(u64::from(b[*i] - b'0'));
+            n = n * 10 + u64::from(b[*i] - b'0');
             *i += 1;
         }
         let len = *i - start;
