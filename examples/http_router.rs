@@ -9,7 +9,7 @@
 //! | method and path | body | answer |
 //! |---|---|---|
 //! | `POST /v1/kv-events/{worker}` | one raw vLLM MessagePack `EventBatch`; header `x-kv-seq` may carry its sequence number (else the next one) | 200 with a JSON summary; 400 with the reason as text for a bad payload, 409 for a replayed sequence number |
-//! | `POST /v1/route` | `{"request_id": 1, "token_ids": [...]}` or `"block_hashes": [...]`, optional `"role"`: `"unified"`, `"prefill"` or `"decode"` | `{"worker_id": "...", "cache_hits": n, "cost": x, "request_blocks": n}` |
+//! | `POST /v1/route` | `{"request_id": 1, "token_ids": [...]}` or `"block_hashes": [...]`, optional `"role"`: `"unified"`, `"prefill"` or `"decode"`; with token ids also `"lora_name"`, `"cache_salt"` and `"mm_items": [{"identifier": "...", "offset": n, "length": n}]` (a multimodal prompt's items, so only the same image hits) | `{"worker_id": "...", "cache_hits": n, "cost": x, "request_blocks": n}` |
 //! | `POST /v1/finish/{request_id}` | | `{"request_id": n}`; 404 for a request not in flight |
 //! | `GET /v1/admin/cache-view/{worker}` | | `{"worker_id": "...", "block_count": n}` |
 //! | `POST /v1/workers/{worker}` | | registers a worker (201; 200 if it was already) |
@@ -43,6 +43,7 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Json;
+use kvkit::kvblock::{vllm_extra_keys, MultimodalSpan};
 use kvkit::kvblock::{BlockHash, BlockSize};
 use kvkit::kvroute::vllm::{decode_event_batch, IngestSummary, VllmError, VllmIngest};
 use kvkit::kvroute::{self, Policy, RequestId, Role, Router, Salt, WorkerId};
@@ -379,6 +380,21 @@ struct RouteRequest {
     /// engine's events are.
     #[serde(default)]
     lora_name: Option<String>,
+    /// The prompt's multimodal items (images, ...), whose blocks vLLM keys by identifier.
+    #[serde(default)]
+    mm_items: Vec<MmItem>,
+    /// The request's cache salt (vLLM's `cache_salt`), which keys its first block.
+    #[serde(default)]
+    cache_salt: Option<String>,
+}
+
+/// A multimodal item of `POST /v1/route`: its identifier and the placeholder tokens it fills.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MmItem {
+    identifier: String,
+    offset: usize,
+    length: usize,
 }
 
 async fn route(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
@@ -401,9 +417,20 @@ async fn route(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     let decision = match (&req.token_ids, &req.block_hashes) {
         (Some(tokens), None) => {
             let salt = Salt::lora(req.lora_name.clone().unwrap_or_default());
-            inner
-                .router
-                .route_tokens_salted(RequestId::new(req.request_id), tokens, &salt, role)
+            let items: Vec<MultimodalSpan> = req
+                .mm_items
+                .iter()
+                .map(|m| MultimodalSpan::new(m.identifier.clone(), m.offset, m.length))
+                .collect();
+            let bs = inner.router.block_size();
+            let keys = vllm_extra_keys(bs, tokens.len(), &items, req.cache_salt.as_deref());
+            inner.router.route_tokens_keyed(
+                RequestId::new(req.request_id),
+                tokens,
+                &salt,
+                &keys,
+                role,
+            )
         }
         (None, Some(hashes)) => {
             let blocks: Vec<BlockHash> = hashes.iter().map(|&h| BlockHash::new(h)).collect();

@@ -396,3 +396,51 @@ fn command_line() {
         assert!(e.contains(bad[0]), "{e}");
     }
 }
+
+/// The bug report's two reproductions, through the example's HTTP API: a hybrid model's
+/// sliding-window eviction must not drop the full-attention hits, and a different image must
+/// not hit another image's blocks.
+#[test]
+fn hybrid_groups_and_multimodal_keys_over_http() {
+    let server = Server::start(http_router::Config::default());
+    let fx = include_bytes!("../crates/kvroute/tests/fixtures/hybrid_sliding_window_map.msgpack");
+    let (status, body) = server.events(A, Some(0), fx);
+    assert_eq!(status, 200, "{body}");
+    let (status, v) = server.json(
+        "POST",
+        "/v1/route",
+        &format!(
+            r#"{{"request_id": 1, "token_ids": {}}}"#,
+            token_json(0..256)
+        ),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        (v["worker_id"].as_str(), v["cache_hits"].as_u64()),
+        (Some(A), Some(16))
+    );
+
+    let fx =
+        include_bytes!("../crates/kvroute/tests/fixtures/multimodal_extra_keys_positional.msgpack");
+    let (status, body) = server.events(B, Some(0), fx);
+    assert_eq!(status, 200, "{body}");
+    let placeholders = serde_json::to_string(&vec![151_655u32; 32]).unwrap();
+    let route = |id: u64, image: &str| {
+        server.json(
+            "POST",
+            "/v1/route",
+            &format!(
+                r#"{{"request_id": {id}, "token_ids": {placeholders}, "mm_items": [{{"identifier": "{image}", "offset": 0, "length": 32}}]}}"#
+            ),
+        )
+    };
+    let (status, v) = route(2, "img-B");
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["cache_hits"], 0, "{v}");
+    let (status, v) = route(3, "img-A");
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        (v["worker_id"].as_str(), v["cache_hits"].as_u64()),
+        (Some(B), Some(2))
+    );
+}

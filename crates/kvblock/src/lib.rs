@@ -12,7 +12,10 @@
 //! - the local hash of a block is XXH3-64 with seed `S` over its tokens as little-endian bytes;
 //! - `seq[0] = local[0]`, `seq[i] = XXH3-64(seed S)` over `seq[i-1].to_le_bytes() ++ local[i].to_le_bytes()`;
 //! - `S = 1337`, plus `XXH3-64(lora_name, seed 0)` and `XXH3-64(namespace, seed 1)` when a LoRA
-//!   adapter name or a cache namespace is set (wrapping adds; an empty string means absent).
+//!   adapter name or a cache namespace is set (wrapping adds; an empty string means absent);
+//! - a block with [`ExtraKeys`] (multimodal items, a cache salt: what vLLM publishes per block as
+//!   `extra_keys`) has its local hash keyed by them first, by the versioned rule in
+//!   [`ExtraKeys`]; no keys leaves every hash above as it is.
 //!
 //! ```
 //! use kvblock::{BlockHasher, BlockSize};
@@ -45,6 +48,9 @@ use std::fmt;
 use std::num::NonZeroU32;
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+mod extra;
+pub use extra::{vllm_extra_keys, ExtraKeys, MultimodalSpan};
 
 /// The seed of the hashing contract when no salt is set.
 pub const DEFAULT_SEED: u64 = 1337;
@@ -332,6 +338,60 @@ impl BlockHasher {
     }
 }
 
+impl BlockHasher {
+    /// The local hash of one block's tokens keyed by its extra keys (empty keys: the plain
+    /// [`hash_block`](Self::hash_block)).
+    #[inline]
+    pub fn hash_block_keyed(&self, tokens: &[u32], keys: &ExtraKeys) -> LocalBlockHash {
+        keys.apply(self.hash_block(tokens))
+    }
+
+    /// Sequence hashes of every full block of `tokens`, block `i` keyed by `keys[i]` (a block
+    /// past the end of `keys` has none); a partial tail is ignored.
+    ///
+    /// ```
+    /// use kvblock::{vllm_extra_keys, BlockHasher, BlockSize, MultimodalSpan};
+    /// let bs = BlockSize::new(16)?;
+    /// let hasher = BlockHasher::new(bs);
+    /// let tokens = vec![7u32; 48]; // 16 text tokens, then 32 image placeholders
+    /// let keys = |id| vllm_extra_keys(bs, tokens.len(), &[MultimodalSpan::new(id, 16, 32)], None);
+    /// let a = hasher.sequence_hashes_keyed(&tokens, &keys("img-A"));
+    /// let b = hasher.sequence_hashes_keyed(&tokens, &keys("img-B"));
+    /// assert_eq!(a[0], b[0]); // the text block is shared
+    /// assert_ne!(a[1], b[1]); // the image blocks are not
+    /// assert_eq!(hasher.sequence_hashes_keyed(&tokens, &[]), hasher.sequence_hashes(&tokens));
+    /// # Ok::<(), kvblock::Error>(())
+    /// ```
+    pub fn sequence_hashes_keyed(&self, tokens: &[u32], keys: &[ExtraKeys]) -> Vec<BlockHash> {
+        let mut out = Vec::with_capacity(self.block_size.full_blocks(tokens.len()));
+        self.sequence_hashes_keyed_into(None, tokens, keys, &mut out);
+        out
+    }
+
+    /// [`sequence_hashes_into`](Self::sequence_hashes_into) with per-block extra keys, as
+    /// [`sequence_hashes_keyed`](Self::sequence_hashes_keyed).
+    pub fn sequence_hashes_keyed_into(
+        &self,
+        parent: Option<BlockHash>,
+        tokens: &[u32],
+        keys: &[ExtraKeys],
+        out: &mut Vec<BlockHash>,
+    ) -> Option<BlockHash> {
+        let mut last = parent;
+        out.reserve(self.block_size.full_blocks(tokens.len()));
+        for (i, block) in tokens.chunks_exact(self.block_size.get()).enumerate() {
+            let local = match keys.get(i) {
+                Some(k) => self.hash_block_keyed(block, k),
+                None => self.hash_block(block),
+            };
+            let h = self.chain(last, local);
+            out.push(h);
+            last = Some(h);
+        }
+        last
+    }
+}
+
 fn salt(s: &str, seed: u64) -> u64 {
     if s.is_empty() {
         0
@@ -485,6 +545,72 @@ mod tests {
 
         let lora = h16.with_lora_name("my-lora");
         assert_eq!(lora.local_hashes(&toks(16))[0].get(), 0x6be4509617b3e757);
+    }
+
+    #[test]
+    fn extra_keys_vectors() {
+        let h16 = BlockHasher::new(BlockSize::new(16).unwrap());
+        let image = ExtraKeys::new().tuple(ExtraKeys::new().str("img-A").int(0));
+        let salted = ExtraKeys::new().str("tenant-1");
+        let t = toks(16);
+        let got = [
+            h16.hash_block_keyed(&t, &image).get(),
+            h16.hash_block_keyed(&t, &salted).get(),
+            h16.with_lora_name("my-lora")
+                .hash_block_keyed(&t, &image)
+                .get(),
+        ];
+        // Computed independently (Python `xxhash` over the documented encoding).
+        assert_eq!(
+            got,
+            [0xf9ae8b51a16c49eb, 0x0ed1f3f9c34d631d, 0x087dcb165654c72a]
+        );
+        assert_eq!(
+            h16.hash_block_keyed(&t, &ExtraKeys::new()).get(),
+            0xd47a8f41c833328a
+        );
+        let keys = [ExtraKeys::new(), image];
+        let s = h16.sequence_hashes_keyed(&toks(32), &keys);
+        assert_eq!(s[0].get(), 0xd47a8f41c833328a);
+        assert_eq!(s[1].get(), 0xdedbe3073048e12b);
+    }
+
+    #[test]
+    fn extra_keys_encoding_is_canonical() {
+        assert_eq!(ExtraKeys::new().int(7), {
+            let mut k = ExtraKeys::new();
+            k.push_uint(7);
+            k
+        });
+        let mut big = ExtraKeys::new();
+        big.push_uint(u64::MAX);
+        assert_ne!(big, ExtraKeys::new().int(-1));
+        // A tuple is not its elements spliced in.
+        let flat = ExtraKeys::new().str("a").int(1);
+        let nested = ExtraKeys::new().tuple(ExtraKeys::new().str("a").int(1));
+        assert_ne!(flat.as_bytes(), nested.as_bytes());
+        // Text is not bytes.
+        assert_ne!(ExtraKeys::new().str("a"), ExtraKeys::new().bytes(b"a"));
+        assert_eq!(nested.len(), 1);
+        assert_eq!(flat.len(), 2);
+    }
+
+    #[test]
+    fn vllm_extra_keys_follow_the_engine_rule() {
+        let bs = BlockSize::new(4).unwrap();
+        let items = [
+            MultimodalSpan::new("a", 2, 4),
+            MultimodalSpan::new("b", 8, 4),
+        ];
+        let k = vllm_extra_keys(bs, 14, &items, Some("s"));
+        let t = |id: &str, off: i64| ExtraKeys::new().str(id).int(off);
+        assert_eq!(k.len(), 3);
+        assert_eq!(k[0], ExtraKeys::new().tuple(t("a", 2)).str("s"));
+        assert_eq!(k[1], ExtraKeys::new().tuple(t("a", -2)));
+        assert_eq!(k[2], ExtraKeys::new().tuple(t("b", 0)));
+        assert!(vllm_extra_keys(bs, 14, &[], Some(""))
+            .iter()
+            .all(ExtraKeys::is_empty));
     }
 
     #[test]

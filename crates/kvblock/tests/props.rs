@@ -1,6 +1,6 @@
 //! Property tests of the hashing contract.
 
-use kvblock::{BlockHasher, BlockSequence, BlockSize};
+use kvblock::{BlockHasher, BlockSequence, BlockSize, ExtraKeys};
 use proptest::prelude::*;
 
 fn hasher(bs: usize) -> BlockHasher {
@@ -9,12 +9,27 @@ fn hasher(bs: usize) -> BlockHasher {
 
 /// A naive model: the contract spelled out with byte vectors and nothing clever.
 fn model_sequence(bs: usize, seed: u64, tokens: &[u32]) -> Vec<u64> {
+    model_keyed(bs, seed, tokens, &[])
+}
+
+/// The keyed model: per block, the plain local hash re-keyed by the documented encoding of a
+/// list of text keys (each `0x01`, its length as u64 LE, its bytes).
+fn model_keyed(bs: usize, seed: u64, tokens: &[u32], keys: &[Vec<String>]) -> Vec<u64> {
     use xxhash_rust::xxh3::xxh3_64_with_seed;
     let mut out = Vec::new();
     let mut prev: Option<u64> = None;
-    for block in tokens.chunks(bs).filter(|b| b.len() == bs) {
+    for (i, block) in tokens.chunks(bs).filter(|b| b.len() == bs).enumerate() {
         let bytes: Vec<u8> = block.iter().flat_map(|t| t.to_le_bytes()).collect();
-        let local = xxh3_64_with_seed(&bytes, seed);
+        let mut local = xxh3_64_with_seed(&bytes, seed);
+        if let Some(k) = keys.get(i).filter(|k| !k.is_empty()) {
+            let mut enc = b"kvblock/extra-keys/1".to_vec();
+            for s in k {
+                enc.push(0x01);
+                enc.extend_from_slice(&(s.len() as u64).to_le_bytes());
+                enc.extend_from_slice(s.as_bytes());
+            }
+            local = xxh3_64_with_seed(&enc, local);
+        }
         let seq = match prev {
             None => local,
             Some(p) => {
@@ -30,6 +45,25 @@ fn model_sequence(bs: usize, seed: u64, tokens: &[u32]) -> Vec<u64> {
 }
 
 proptest! {
+    #[test]
+    fn keyed_matches_naive_model(bs in 1usize..20, tokens in prop::collection::vec(any::<u32>(), 0..120),
+                                 keys in prop::collection::vec(prop::collection::vec("[a-z]{0,4}", 0..3), 0..10),
+                                 lora in "[a-z]{0,3}") {
+        let h = hasher(bs).with_lora_name(&lora);
+        let extra: Vec<ExtraKeys> = keys
+            .iter()
+            .map(|k| k.iter().fold(ExtraKeys::new(), |e, s| e.str(s)))
+            .collect();
+        let got: Vec<u64> = h.sequence_hashes_keyed(&tokens, &extra).iter().map(|x| x.get()).collect();
+        prop_assert_eq!(&got, &model_keyed(bs, h.seed(), &tokens, &keys));
+        // Blocks before the first keyed one hash as plain blocks; from it on, differently.
+        let plain = h.sequence_hashes(&tokens);
+        let first = keys.iter().position(|k| !k.is_empty()).unwrap_or(usize::MAX);
+        for (i, (a, b)) in got.iter().zip(&plain).enumerate() {
+            prop_assert_eq!(a == &b.get(), i < first);
+        }
+    }
+
     #[test]
     fn matches_naive_model(bs in 1usize..40, tokens in prop::collection::vec(any::<u32>(), 0..300),
                            lora in "[a-z]{0,6}", ns in "[a-z]{0,6}") {

@@ -248,6 +248,35 @@ impl Overlaps {
         self.matched.last().map_or(0, |&(_, r)| r)
     }
 
+    /// Replaces the run of `worker` (at dense `index`) with `run`, for a caller that applies rules
+    /// the index does not know (a router's cache groups, say). [`get`](Self::get), [`iter`](Self::iter)
+    /// and [`max`](Self::max) follow.
+    ///
+    /// ```
+    /// use kvcache::{CacheIndex, KvEvent, Overlaps, WorkerId};
+    /// use kvblock::BlockHash;
+    /// let mut index = CacheIndex::new();
+    /// let w = WorkerId::new(3);
+    /// let i = index.add_worker(w)?;
+    /// let chain = [BlockHash::new(1), BlockHash::new(2)];
+    /// index.apply(w, 0, &KvEvent::Stored { parent: None, blocks: chain.to_vec() })?;
+    /// let mut o = index.overlaps(&chain);
+    /// o.set_run(i, w, 1);
+    /// assert_eq!((o.run_at(i), o.get(w), o.max()), (1, 1, 1));
+    /// # Ok::<(), kvcache::Error>(())
+    /// ```
+    pub fn set_run(&mut self, index: usize, worker: WorkerId, run: usize) {
+        if self.runs.len() <= index {
+            self.runs.resize(index + 1, 0);
+        }
+        self.runs[index] = run;
+        self.matched.retain(|&(w, _)| w != worker);
+        if run > 0 {
+            let at = self.matched.partition_point(|&(_, r)| r <= run);
+            self.matched.insert(at, (worker, run));
+        }
+    }
+
     fn reset(&mut self, slots: usize) {
         self.runs.clear();
         self.runs.resize(slots, 0);

@@ -12,8 +12,8 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use kvroute::vllm::{EngineEvent, EngineHash, EventBatch};
-use rmpv::Value;
+use kvroute::vllm::{EngineEvent, EventBatch};
+
 use serde::Deserialize;
 use tokio::sync::mpsc;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
@@ -61,69 +61,8 @@ impl std::str::FromStr for WireShape {
 pub fn encode_batch(batch: &EventBatch, shape: WireShape) -> Vec<u8> {
     match shape {
         WireShape::Array => batch.to_msgpack(),
-        WireShape::Map => encode_map(batch),
+        WireShape::Map => batch.to_msgpack_map(),
     }
-}
-
-fn hash_value(h: &EngineHash) -> Value {
-    match h {
-        EngineHash::Int(v) => Value::from(*v),
-        EngineHash::Bytes(b) => Value::Binary(b.clone()),
-    }
-}
-
-/// The map shape, as msgspec writes vLLM's tagged structs: `type` first, then the fields in
-/// declaration order; fields without a default (`parent_block_hash`, `lora_id`, `medium`) are
-/// always written, `None`-defaulted ones (`lora_name`) only when set.
-fn encode_map(batch: &EventBatch) -> Vec<u8> {
-    let s = |x: &str| Value::from(x);
-    let opt_str = |o: &Option<String>| o.as_deref().map_or(Value::Nil, Value::from);
-    let events = batch
-        .events
-        .iter()
-        .map(|e| {
-            let mut m = vec![(s("type"), s(e.name()))];
-            match e {
-                EngineEvent::BlockStored(b) => {
-                    m.push((
-                        s("block_hashes"),
-                        Value::Array(b.block_hashes.iter().map(hash_value).collect()),
-                    ));
-                    m.push((
-                        s("parent_block_hash"),
-                        b.parent_block_hash.as_ref().map_or(Value::Nil, hash_value),
-                    ));
-                    m.push((
-                        s("token_ids"),
-                        Value::Array(b.token_ids.iter().map(|&t| Value::from(t)).collect()),
-                    ));
-                    m.push((s("block_size"), Value::from(b.block_size)));
-                    m.push((s("lora_id"), b.lora_id.map_or(Value::Nil, Value::from)));
-                    m.push((s("medium"), opt_str(&b.medium)));
-                    if let Some(name) = &b.lora_name {
-                        m.push((s("lora_name"), s(name)));
-                    }
-                }
-                EngineEvent::BlockRemoved(r) => {
-                    m.push((
-                        s("block_hashes"),
-                        Value::Array(r.block_hashes.iter().map(hash_value).collect()),
-                    ));
-                    m.push((s("medium"), opt_str(&r.medium)));
-                }
-                _ => {}
-            }
-            Value::Map(m)
-        })
-        .collect();
-    let mut items = vec![Value::F64(batch.timestamp), Value::Array(events)];
-    if let Some(rank) = batch.data_parallel_rank {
-        items.push(Value::from(rank));
-    }
-    let mut out = Vec::new();
-    // Writing to a Vec cannot fail.
-    let _ = rmpv::encode::write_value(&mut out, &Value::Array(items));
-    out
 }
 
 /// vLLM's `--kv-events-config`: the fields it has (unknown ones are ignored, as vLLM's own
@@ -341,7 +280,8 @@ async fn serve_replay(mut router: zeromq::RouterSocket, buffer: Buffer) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvroute::vllm::{decode_event_batch, BlockRemoved, BlockStored};
+    use kvroute::vllm::{decode_event_batch, BlockRemoved, BlockStored, EngineHash};
+    use rmpv::Value;
 
     #[test]
     fn both_shapes_decode_to_the_same_batch() {

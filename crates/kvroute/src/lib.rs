@@ -58,6 +58,7 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
+mod groups;
 mod ring;
 mod router;
 #[cfg(feature = "vllm")]
@@ -66,7 +67,9 @@ pub mod vllm;
 use std::fmt;
 use std::str::FromStr;
 
+pub use groups::{CacheGroup, GroupRule};
 pub use kvblock::{BlockHash, BlockSize};
+pub use kvblock::{ExtraKeys, MultimodalSpan};
 pub use kvcache::{KvEvent, WorkerId};
 pub use router::{Candidate, Decision, Router, RouterBuilder};
 
@@ -296,6 +299,18 @@ pub enum Error {
     UnknownPolicy {
         /// The name given.
         got: String,
+    },
+    /// A cache group whose block size is not a whole number of the router's blocks.
+    #[error(
+        "cache group {group} has block size {block_size}: expected a multiple of the router's block size {router}"
+    )]
+    GroupBlockSize {
+        /// The group.
+        group: u32,
+        /// Its block size, in tokens.
+        block_size: usize,
+        /// The router's block size, in tokens.
+        router: usize,
     },
     /// An event the cache index rejected.
     #[error(transparent)]

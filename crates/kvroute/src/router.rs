@@ -1,13 +1,14 @@
 //! The `Router` facade: cache index, load tracking and policies behind one call.
 
 use hashbrown::hash_map::Entry;
-use kvblock::{BlockHash, BlockHasher, BlockSize};
+use kvblock::{BlockHash, BlockHasher, BlockSize, ExtraKeys};
 use kvcache::{Applied, CacheIndex, FixedState, IndexSnapshot, KvEvent, Overlaps, WorkerId};
 use rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 
+use crate::groups::Groups;
 use crate::ring::Ring;
-use crate::{cost, Error, Policy, RequestId, Role, Salt};
+use crate::{cost, CacheGroup, Error, Policy, RequestId, Role, Salt};
 
 type Map<K, V> = hashbrown::HashMap<K, V, FixedState>;
 
@@ -167,6 +168,7 @@ impl RouterBuilder {
             generation: 0,
             overlaps: Overlaps::new(),
             scratch: Vec::new(),
+            groups: Groups::default(),
         })
     }
 }
@@ -228,6 +230,8 @@ pub struct Router {
     generation: u64,
     overlaps: Overlaps,
     scratch: Vec<BlockHash>,
+    /// Cache groups beyond the index's (hybrid models); empty for most fleets.
+    groups: Groups,
 }
 
 impl Router {
@@ -309,6 +313,7 @@ impl Router {
             return false;
         };
         self.index.remove_worker(worker);
+        self.groups.clear_worker(worker, Some(i));
         self.slots[i] = None;
         self.active[i] = 0;
         self.members.retain(|&m| m != i);
@@ -340,15 +345,79 @@ impl Router {
         event: &KvEvent,
     ) -> Result<Applied, Error> {
         match self.index.worker_index(worker) {
-            Some(i) if self.is_member(i) => Ok(self.index.apply(worker, event_id, event)?),
+            Some(i) if self.is_member(i) => {
+                let applied = self.index.apply(worker, event_id, event)?;
+                if matches!(event, KvEvent::Stored { .. }) {
+                    self.groups.primary_stored(i);
+                }
+                Ok(applied)
+            }
             _ => Err(Error::UnknownWorker { worker }),
         }
+    }
+
+    /// Applies one KV event of a worker's cache group other than the one the index mirrors
+    /// (see [`CacheGroup`] and the hit rule in its docs): a hybrid model's
+    /// sliding-window or state-space group, say. The event's hashes are ours at the router's
+    /// block size; for a group whose blocks are `k` router blocks long, a group block is named
+    /// by our hash of its last router block. The group's kind and size are fixed by its first
+    /// event (a different `spec` later starts it afresh). Event ids are not checked: a group
+    /// mirror is a set.
+    ///
+    /// An error when the worker is not registered, or when `spec`'s block size is not a
+    /// multiple of the router's.
+    ///
+    /// ```
+    /// use kvblock::{BlockHasher, BlockSize};
+    /// use kvroute::{CacheGroup, GroupRule, KvEvent, RequestId, Role, Router, WorkerId};
+    ///
+    /// let bs = BlockSize::new(4)?;
+    /// let mut router = Router::builder().block_size(bs).build()?;
+    /// let w = WorkerId::new(0);
+    /// router.add_worker(w);
+    /// let tokens: Vec<u32> = (0..32).collect();
+    /// let blocks = BlockHasher::new(bs).sequence_hashes(&tokens); // 8 blocks
+    /// // Full attention holds all 8; a sliding window of 9 tokens (2 blocks) lost the first 6.
+    /// router.apply_event(w, 0, &KvEvent::Stored { parent: None, blocks: blocks.clone() })?;
+    /// let sw = CacheGroup::new(GroupRule::SlidingWindow { window_tokens: 9 }, bs);
+    /// router.apply_group_event(w, 1, sw, &KvEvent::Stored { parent: None, blocks: blocks.clone() })?;
+    /// router.apply_group_event(w, 1, sw, &KvEvent::Removed { blocks: blocks[..6].to_vec() })?;
+    /// let d = router.route_tokens(RequestId::new(1), &tokens, Role::Unified)?;
+    /// assert_eq!(d.cache_hits, 8); // the window before block 8 is resident
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn apply_group_event(
+        &mut self,
+        worker: WorkerId,
+        group: u32,
+        spec: CacheGroup,
+        event: &KvEvent,
+    ) -> Result<Applied, Error> {
+        match self.index.worker_index(worker) {
+            Some(i) if self.is_member(i) => {
+                let bs = self.config.block_size;
+                self.groups.apply(worker, group, spec, bs, event)
+            }
+            _ => Err(Error::UnknownWorker { worker }),
+        }
+    }
+
+    /// How many blocks the router believes `worker`'s cache group `group` holds (`None`: no
+    /// such group; the index's own group is [`cache_view`](Self::cache_view)).
+    pub fn group_view(&self, worker: WorkerId, group: u32) -> Option<usize> {
+        self.groups.group_blocks(worker, group)
+    }
+
+    /// `worker`'s cache groups beyond the index's, by group id.
+    pub fn groups(&self, worker: WorkerId) -> Vec<(u32, CacheGroup)> {
+        self.groups.groups_of(worker)
     }
 
     /// Forgets everything the index holds for `worker` (for example after its publisher
     /// restarted); returns how many blocks it held.
     pub fn clear_worker(&mut self, worker: WorkerId) -> usize {
-        self.index.clear_worker(worker)
+        let i = self.index.worker_index(worker);
+        self.index.clear_worker(worker) + self.groups.clear_worker(worker, i)
     }
 
     /// The router's view of `worker`'s cache: how many blocks it believes the worker holds.
@@ -378,6 +447,8 @@ impl Router {
         }
         let listed = index.workers();
         self.index = index;
+        // A snapshot holds the index's groups only; the others refill from events.
+        self.groups = Groups::default();
         self.slots.clear();
         self.active.clear();
         self.members.clear();
@@ -425,6 +496,9 @@ impl Router {
         let weight = self.weight(role);
         let n = blocks.len();
         self.index.overlaps_into(blocks, &mut self.overlaps);
+        if !self.groups.is_empty() {
+            self.groups.cut(&self.index, blocks, &mut self.overlaps);
+        }
         let chosen = match self.config.policy {
             Policy::Kv => self.lowest_cost(weight, n),
             Policy::PrefixAware => match Ring::key(blocks, self.config.prefix_blocks) {
@@ -479,7 +553,7 @@ impl Router {
         role: Role,
     ) -> Result<Decision, Error> {
         let hasher = self.hasher;
-        self.route_hashed(&hasher, request_id, tokens, role)
+        self.route_hashed(&hasher, request_id, tokens, &[], role)
     }
 
     /// [`route_tokens`](Self::route_tokens) with a salted hash: a LoRA adapter's blocks (or a
@@ -512,7 +586,43 @@ impl Router {
         role: Role,
     ) -> Result<Decision, Error> {
         let hasher = salt.apply(BlockHasher::new(self.config.block_size));
-        self.route_hashed(&hasher, request_id, tokens, role)
+        self.route_hashed(&hasher, request_id, tokens, &[], role)
+    }
+
+    /// [`route_tokens_salted`](Self::route_tokens_salted) with each block's extra keys (block
+    /// `i` keyed by `keys[i]`; past the end of `keys`, none): a multimodal prompt's image
+    /// identifiers and offsets, a cache salt, as vLLM keys its blocks and publishes them in its
+    /// events. Build them with [`kvblock::vllm_extra_keys`]. Only a request for the same image
+    /// hits its blocks; a request without keys never hits blocks stored with keys.
+    ///
+    /// ```
+    /// use kvblock::{vllm_extra_keys, BlockHasher, BlockSize, MultimodalSpan};
+    /// use kvroute::{KvEvent, RequestId, Role, Router, Salt, WorkerId};
+    ///
+    /// let bs = BlockSize::new(16)?;
+    /// let mut router = Router::builder().block_size(bs).build()?;
+    /// let w = WorkerId::new(0);
+    /// router.add_worker(w);
+    /// let tokens = vec![9u32; 32]; // one image's placeholders
+    /// let keys = |id| vllm_extra_keys(bs, tokens.len(), &[MultimodalSpan::new(id, 0, 32)], None);
+    /// let stored = BlockHasher::new(bs).sequence_hashes_keyed(&tokens, &keys("img-A"));
+    /// router.apply_event(w, 0, &KvEvent::Stored { parent: None, blocks: stored })?;
+    ///
+    /// let same = router.route_tokens_keyed(RequestId::new(1), &tokens, &Salt::default(), &keys("img-A"), Role::Unified)?;
+    /// let other = router.route_tokens_keyed(RequestId::new(2), &tokens, &Salt::default(), &keys("img-B"), Role::Unified)?;
+    /// assert_eq!((same.cache_hits, other.cache_hits), (2, 0));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn route_tokens_keyed(
+        &mut self,
+        request_id: RequestId,
+        tokens: &[u32],
+        salt: &Salt,
+        keys: &[ExtraKeys],
+        role: Role,
+    ) -> Result<Decision, Error> {
+        let hasher = salt.apply(BlockHasher::new(self.config.block_size));
+        self.route_hashed(&hasher, request_id, tokens, keys, role)
     }
 
     fn route_hashed(
@@ -520,11 +630,12 @@ impl Router {
         hasher: &BlockHasher,
         request_id: RequestId,
         tokens: &[u32],
+        keys: &[ExtraKeys],
         role: Role,
     ) -> Result<Decision, Error> {
         let mut blocks = std::mem::take(&mut self.scratch);
         blocks.clear();
-        hasher.sequence_hashes_into(None, tokens, &mut blocks);
+        hasher.sequence_hashes_keyed_into(None, tokens, keys, &mut blocks);
         let d = self.route(request_id, &blocks, role);
         self.scratch = blocks;
         d
@@ -559,7 +670,8 @@ impl Router {
 
     /// Every worker's hits, load and cost for a request, in worker-id order, without routing it.
     pub fn explain(&self, blocks: &[BlockHash], role: Role) -> Vec<Candidate> {
-        let ov = self.index.overlaps(blocks);
+        let mut ov = self.index.overlaps(blocks);
+        self.groups.cut(&self.index, blocks, &mut ov);
         let weight = self.weight(role);
         self.members
             .iter()

@@ -5,7 +5,8 @@ use rmpv::Value;
 
 use super::error::{clip, schema};
 use super::wire::{
-    engine_hash, hash_list, opt_i64, opt_string, token_list, CLEARED, REMOVED, STORED,
+    engine_hash, extra_keys, hash_list, opt_group, opt_i64, opt_string, opt_tokens, opt_u64,
+    token_list, CLEARED, REMOVED, STORED,
 };
 use super::{BlockRemoved, BlockStored, EngineEvent, EventBatch, VllmError};
 
@@ -117,6 +118,11 @@ struct Raw {
     lora_id: Option<Value>,
     medium: Option<Value>,
     lora_name: Option<Value>,
+    extra_keys: Option<Value>,
+    group_idx: Option<Value>,
+    kv_cache_spec_kind: Option<Value>,
+    kv_cache_spec_sliding_window: Option<Value>,
+    lookahead_token_ids: Option<Value>,
 }
 
 fn event_from_value(i: usize, v: Value) -> Result<EngineEvent, VllmError> {
@@ -173,10 +179,16 @@ fn positional(at: &str, items: Vec<Value>) -> Result<(Kind, Raw), VllmError> {
             raw.lora_id = it.next();
             raw.medium = it.next();
             raw.lora_name = it.next();
+            raw.extra_keys = it.next();
+            raw.group_idx = it.next();
+            raw.kv_cache_spec_kind = it.next();
+            raw.kv_cache_spec_sliding_window = it.next();
+            raw.lookahead_token_ids = it.next();
         }
         Kind::Removed => {
             raw.block_hashes = it.next();
             raw.medium = it.next();
+            raw.group_idx = it.next();
         }
         Kind::Cleared => {}
     }
@@ -197,6 +209,11 @@ fn named(at: &str, entries: Vec<(Value, Value)>) -> Result<(Kind, Raw), VllmErro
             Some("lora_id") => &mut raw.lora_id,
             Some("medium") => &mut raw.medium,
             Some("lora_name") => &mut raw.lora_name,
+            Some("extra_keys") => &mut raw.extra_keys,
+            Some("group_idx") => &mut raw.group_idx,
+            Some("kv_cache_spec_kind") => &mut raw.kv_cache_spec_kind,
+            Some("kv_cache_spec_sliding_window") => &mut raw.kv_cache_spec_sliding_window,
+            Some("lookahead_token_ids") => &mut raw.lookahead_token_ids,
             _ => continue,
         };
         *slot = Some(v);
@@ -245,6 +262,21 @@ fn build(at: String, kind: Kind, raw: Raw) -> Result<EngineEvent, VllmError> {
                 lora_id: opt_i64(&format!("{at}.lora_id"), raw.lora_id)?,
                 medium: opt_string(&format!("{at}.medium"), raw.medium)?,
                 lora_name: opt_string(&format!("{at}.lora_name"), raw.lora_name)?,
+                extra_keys: extra_keys(&format!("{at}.extra_keys"), raw.extra_keys)?,
+                group_idx: opt_group(&format!("{at}.group_idx"), raw.group_idx)?,
+                kv_cache_spec_kind: opt_string(
+                    &format!("{at}.kv_cache_spec_kind"),
+                    raw.kv_cache_spec_kind,
+                )?,
+                kv_cache_spec_sliding_window: opt_u64(
+                    &format!("{at}.kv_cache_spec_sliding_window"),
+                    raw.kv_cache_spec_sliding_window,
+                    "a window in tokens (an integer >= 0), or nil",
+                )?,
+                lookahead_token_ids: opt_tokens(
+                    &format!("{at}.lookahead_token_ids"),
+                    raw.lookahead_token_ids,
+                )?,
             }))
         }
         Kind::Removed => {
@@ -252,6 +284,7 @@ fn build(at: String, kind: Kind, raw: Raw) -> Result<EngineEvent, VllmError> {
             Ok(EngineEvent::BlockRemoved(BlockRemoved {
                 block_hashes: hash_list(&format!("{at}.block_hashes"), hashes)?,
                 medium: opt_string(&format!("{at}.medium"), raw.medium)?,
+                group_idx: opt_group(&format!("{at}.group_idx"), raw.group_idx)?,
             }))
         }
         Kind::Cleared => Ok(EngineEvent::AllBlocksCleared),

@@ -65,6 +65,19 @@ pub enum VllmError {
         /// The type given (shortened if long).
         got: String,
     },
+    /// A `BlockStored` whose `extra_keys` list does not have one entry per block.
+    #[error(
+        "events[{event}] (BlockStored): {keys} extra_keys entries for {blocks} block hash(es): \
+         expected one per block"
+    )]
+    ExtraKeysCountMismatch {
+        /// The event's position in its batch.
+        event: usize,
+        /// Entries in `extra_keys`.
+        keys: usize,
+        /// Entries in `block_hashes`.
+        blocks: usize,
+    },
     /// A `BlockStored` at another block size than the router's: its blocks could never match.
     #[error(
         "events[{event}] (BlockStored): block size {engine} does not match the router's block \

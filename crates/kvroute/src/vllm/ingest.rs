@@ -1,11 +1,17 @@
 //! [`VllmIngest`]: decoded batches applied to a [`Router`], with per-worker sequence numbers and
 //! engine-hash to our-hash maps.
 
-use kvblock::{BlockHash, BlockHasher};
+use std::collections::BTreeMap;
+
+use kvblock::{BlockHash, BlockHasher, BlockSize, ExtraKeys};
 use kvcache::{FixedState, KvEvent, WorkerId};
 
-use super::{decode_event_batch, parse_seq_frame, EngineEvent, EngineHash, EventBatch, VllmError};
-use crate::Router;
+use super::wire::to_extra_keys;
+use super::{
+    decode_event_batch, parse_seq_frame, BlockStored, EngineEvent, EngineHash, EventBatch,
+    KeyValue, VllmError,
+};
+use crate::{CacheGroup, GroupRule, Router};
 
 type Map<K, V> = hashbrown::HashMap<K, V, FixedState>;
 
@@ -35,6 +41,13 @@ pub struct IngestSummary {
     pub gap: Option<(u64, u64)>,
     /// The publisher restarted (sequence number 0 again): the worker was cleared first.
     pub restarted: bool,
+    /// Blocks of cache groups the router cannot track (a block size that is not a multiple of
+    /// the router's, or extra keys on a group with larger blocks): accepted and counted; they
+    /// do not limit the worker's hits.
+    pub untracked_blocks: usize,
+    /// `BlockStored` events whose `kv_cache_spec_kind` the router does not know (or a sliding
+    /// window without its size): treated as full attention.
+    pub unknown_group_kinds: usize,
 }
 
 /// Running totals of one worker's vLLM feed, since [`VllmIngest`] first saw it.
@@ -61,6 +74,10 @@ pub struct IngestStats {
     pub gaps: u64,
     /// Publisher restarts.
     pub restarts: u64,
+    /// Blocks of cache groups the router cannot track.
+    pub untracked_blocks: u64,
+    /// `BlockStored` events of a group kind the router does not know.
+    pub unknown_group_kinds: u64,
 }
 
 impl IngestStats {
@@ -74,13 +91,36 @@ impl IngestStats {
         self.unknown_parents += s.unknown_parents as u64;
         self.gaps += u64::from(s.gap.is_some());
         self.restarts += u64::from(s.restarted);
+        self.untracked_blocks += s.untracked_blocks as u64;
+        self.unknown_group_kinds += s.unknown_group_kinds as u64;
     }
+}
+
+/// A KV-cache group as the feed names it: `None` for an engine that sends no `group_idx`.
+type GroupKey = Option<u32>;
+
+/// Where a group's events go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Target {
+    /// The router's index (the group it hashes with).
+    Primary,
+    /// One of the router's other cache groups.
+    Side(u32, CacheGroup),
+    /// Nowhere: counted only.
+    Untracked,
 }
 
 #[derive(Debug, Clone, Default)]
 struct Feed {
-    /// Engine hash -> our hash, for the blocks the worker holds.
-    blocks: Map<EngineHash, BlockHash>,
+    /// (group, engine hash) -> our hash, for the blocks the worker holds.
+    blocks: Map<(GroupKey, EngineHash), BlockHash>,
+    /// How many engine blocks of a group map to each of our hashes (more than one when the
+    /// engine keys a block by more than we do): ours leaves the router with the last.
+    refs: Map<(GroupKey, BlockHash), u32>,
+    /// Each group's target, learned from its first `BlockStored`.
+    groups: BTreeMap<GroupKey, Target>,
+    /// The group the router's index mirrors, once seen.
+    primary: Option<GroupKey>,
     /// The next batch sequence number expected.
     next_seq: u64,
     /// Skip one router event id at the next apply, so the index records a gap (stale view).
@@ -170,72 +210,55 @@ impl VllmIngest {
             out.restarted = true;
             out.blocks_cleared += router.clear_worker(worker);
             feed.blocks.clear();
+            feed.refs.clear();
             feed.skip_id = false;
         }
         feed.next_seq = seq.saturating_add(1);
         let bs = router.block_size();
         for event in &batch.events {
             match event {
-                EngineEvent::BlockStored(s) => {
-                    let parent = match &s.parent_block_hash {
-                        None => None,
-                        Some(h) => match feed.blocks.get(h) {
-                            Some(&p) => Some(p),
-                            None => {
-                                out.unknown_parents += 1;
-                                feed.skip_id = true;
-                                continue;
-                            }
-                        },
-                    };
-                    if s.block_hashes.is_empty() {
-                        continue;
-                    }
-                    let hasher =
-                        BlockHasher::new(bs).with_lora_name(s.lora_name.as_deref().unwrap_or(""));
-                    let mut blocks = Vec::with_capacity(s.block_hashes.len());
-                    hasher.sequence_hashes_into(parent, &s.token_ids, &mut blocks);
-                    let ev = KvEvent::Stored { parent, blocks };
-                    match apply(router, worker, feed, &ev) {
-                        Ok(a) => {
-                            out.events_applied += 1;
-                            out.blocks_stored += a.stored;
-                            out.already_present += a.already_present;
-                            if let KvEvent::Stored { blocks, .. } = ev {
-                                // `validate` checked one token block per engine hash.
-                                for (e, ours) in s.block_hashes.iter().zip(blocks) {
-                                    feed.blocks.insert(e.clone(), ours);
-                                }
-                            }
-                        }
-                        // The index no longer holds the parent: it consumed the id and marked
-                        // the worker stale.
-                        Err(crate::Error::Index(kvcache::Error::UnknownParent { .. })) => {
-                            out.unknown_parents += 1;
-                        }
-                        Err(e) => return Err(e.into()),
-                    }
+                EngineEvent::BlockStored(st) => {
+                    let target = feed.target_of(st, bs, &mut out);
+                    store(router, worker, feed, st, target, &mut out)?;
                 }
                 EngineEvent::BlockRemoved(r) => {
+                    let key = r.group_idx;
+                    let target = feed.groups.get(&key).copied();
                     let mut blocks = Vec::with_capacity(r.block_hashes.len());
                     for h in &r.block_hashes {
-                        match feed.blocks.remove(h) {
-                            Some(ours) => blocks.push(ours),
+                        match feed.blocks.remove(&(key, h.clone())) {
+                            Some(ours) if feed.release(key, ours) => blocks.push(ours),
+                            Some(_) => {}
+                            None if target == Some(Target::Untracked) => out.untracked_blocks += 1,
                             None => out.unknown_removals += 1,
                         }
                     }
-                    if !blocks.is_empty() {
-                        let a = apply(router, worker, feed, &KvEvent::Removed { blocks })?;
-                        out.events_applied += 1;
-                        out.blocks_removed += a.removed;
-                        out.unknown_removals += a.unknown_removed;
+                    if blocks.is_empty() {
+                        continue;
                     }
+                    let ev = KvEvent::Removed { blocks };
+                    let a = match target {
+                        Some(Target::Side(g, spec)) => {
+                            router.apply_group_event(worker, g, spec, &ev)?
+                        }
+                        _ => apply(router, worker, feed, &ev)?,
+                    };
+                    out.events_applied += 1;
+                    out.blocks_removed += a.removed;
+                    out.unknown_removals += a.unknown_removed;
                 }
                 EngineEvent::AllBlocksCleared => {
                     let a = apply(router, worker, feed, &KvEvent::Cleared)?;
                     out.events_applied += 1;
                     out.blocks_cleared += a.removed;
+                    for target in feed.groups.values() {
+                        if let Target::Side(g, spec) = *target {
+                            let a = router.apply_group_event(worker, g, spec, &KvEvent::Cleared)?;
+                            out.blocks_cleared += a.removed;
+                        }
+                    }
                     feed.blocks.clear();
+                    feed.refs.clear();
                 }
             }
         }
@@ -271,11 +294,30 @@ impl VllmIngest {
     }
 
     /// Our hash of a block the worker's engine names `engine`, while it is resident.
+    /// (In the group the router's index mirrors; see [`our_hash_in`](Self::our_hash_in).)
     pub fn our_hash(&self, worker: WorkerId, engine: &EngineHash) -> Option<BlockHash> {
-        self.feeds.get(&worker)?.blocks.get(engine).copied()
+        let feed = self.feeds.get(&worker)?;
+        let key = feed.primary.unwrap_or(None);
+        feed.blocks.get(&(key, engine.clone())).copied()
     }
 
-    /// How many engine hashes of `worker` are mapped to ours (its resident blocks, as reported).
+    /// Our hash of a block of KV-cache group `group` (`None`: an engine without groups) that
+    /// the worker's engine names `engine`, while it is resident.
+    pub fn our_hash_in(
+        &self,
+        worker: WorkerId,
+        group: Option<u32>,
+        engine: &EngineHash,
+    ) -> Option<BlockHash> {
+        self.feeds
+            .get(&worker)?
+            .blocks
+            .get(&(group, engine.clone()))
+            .copied()
+    }
+
+    /// How many engine hashes of `worker` are mapped to ours, over all its groups (its resident
+    /// blocks, as reported).
     pub fn mapped_blocks(&self, worker: WorkerId) -> usize {
         self.feeds.get(&worker).map_or(0, |f| f.blocks.len())
     }
@@ -293,6 +335,196 @@ impl VllmIngest {
         w.sort_unstable();
         w
     }
+}
+
+impl Feed {
+    /// Where a `BlockStored`'s group goes, learned from its first event.
+    fn target_of(&mut self, st: &BlockStored, bs: BlockSize, out: &mut IngestSummary) -> Target {
+        let key = st.group_idx;
+        let (rule, known) = rule_of(st);
+        out.unknown_group_kinds += usize::from(!known);
+        if let Some(&t) = self.groups.get(&key) {
+            return t;
+        }
+        let block_size = usize::try_from(st.block_size)
+            .ok()
+            .and_then(|b| BlockSize::new(b).ok());
+        let target = match block_size {
+            Some(b) if b == bs && rule == GroupRule::FullAttention && self.primary.is_none() => {
+                self.primary = Some(key);
+                Target::Primary
+            }
+            Some(b) if b.get() % bs.get() == 0 => {
+                Target::Side(key.unwrap_or(0), CacheGroup::new(rule, b))
+            }
+            _ => Target::Untracked,
+        };
+        self.groups.insert(key, target);
+        target
+    }
+
+    /// Counts one more engine block of `key` mapped to `ours`; true when it is the first.
+    fn hold(&mut self, key: GroupKey, ours: BlockHash) -> bool {
+        let n = self.refs.entry((key, ours)).or_insert(0);
+        *n += 1;
+        *n == 1
+    }
+
+    /// Counts one engine block of `key` less mapped to `ours`; true when it was the last.
+    fn release(&mut self, key: GroupKey, ours: BlockHash) -> bool {
+        match self.refs.get_mut(&(key, ours)) {
+            Some(n) if *n > 1 => {
+                *n -= 1;
+                false
+            }
+            Some(_) => {
+                self.refs.remove(&(key, ours));
+                true
+            }
+            None => true,
+        }
+    }
+}
+
+/// The hit rule of a `BlockStored`'s group, and whether its kind is known.
+fn rule_of(st: &BlockStored) -> (GroupRule, bool) {
+    match (
+        st.kv_cache_spec_kind.as_deref(),
+        st.kv_cache_spec_sliding_window,
+    ) {
+        (None | Some("full_attention" | "mla_attention" | "sink_full_attention"), _) => {
+            (GroupRule::FullAttention, true)
+        }
+        (Some("sliding_window" | "sliding_window_mla"), Some(w)) => (
+            GroupRule::SlidingWindow {
+                window_tokens: usize::try_from(w).unwrap_or(usize::MAX),
+            },
+            true,
+        ),
+        (Some("mamba"), _) => (GroupRule::LastState, true),
+        _ => (GroupRule::FullAttention, false),
+    }
+}
+
+/// A block's extra keys for our hash: the engine's, less the LoRA name vLLM puts first (it
+/// salts the hasher already).
+fn block_keys(st: &BlockStored, i: usize) -> ExtraKeys {
+    let Some(Some(values)) = st.extra_keys.get(i) else {
+        return ExtraKeys::new();
+    };
+    let values: &[KeyValue] = match (values.first(), &st.lora_name) {
+        (Some(KeyValue::Str(first)), Some(name)) if first == name => &values[1..],
+        _ => values,
+    };
+    to_extra_keys(values)
+}
+
+/// Re-hashes and applies one `BlockStored` to its target.
+fn store(
+    router: &mut Router,
+    worker: WorkerId,
+    feed: &mut Feed,
+    st: &BlockStored,
+    target: Target,
+    out: &mut IngestSummary,
+) -> Result<(), VllmError> {
+    let key = st.group_idx;
+    let factor = match target {
+        Target::Untracked => {
+            out.untracked_blocks += st.block_hashes.len();
+            return Ok(());
+        }
+        Target::Primary => 1,
+        Target::Side(_, spec) => spec.block_size.get() / router.block_size().get(),
+    };
+    if factor > 1 && !st.extra_keys.iter().all(Option::is_none) {
+        // Our hashes key router-sized blocks; a larger block's keys cannot be split onto them.
+        out.untracked_blocks += st.block_hashes.len();
+        return Ok(());
+    }
+    let parent = match &st.parent_block_hash {
+        None => None,
+        Some(h) => match feed.blocks.get(&(key, h.clone())) {
+            Some(&p) => Some(p),
+            None => {
+                out.unknown_parents += 1;
+                if target == Target::Primary {
+                    feed.skip_id = true;
+                }
+                return Ok(());
+            }
+        },
+    };
+    if st.block_hashes.is_empty() {
+        return Ok(());
+    }
+    let hasher =
+        BlockHasher::new(router.block_size()).with_lora_name(st.lora_name.as_deref().unwrap_or(""));
+    let keys: Vec<ExtraKeys> = if factor == 1 {
+        (0..st.extra_keys.len())
+            .map(|i| block_keys(st, i))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mut fine = Vec::with_capacity(st.block_hashes.len() * factor);
+    hasher.sequence_hashes_keyed_into(parent, &st.token_ids, &keys, &mut fine);
+    // A group block is named by our hash of its last router block.
+    let ours: Vec<BlockHash> = fine
+        .iter()
+        .skip(factor - 1)
+        .step_by(factor)
+        .copied()
+        .collect();
+    let mut new = Vec::with_capacity(ours.len());
+    let mut pairs = Vec::with_capacity(ours.len());
+    for (e, &o) in st.block_hashes.iter().zip(&ours) {
+        let slot = (key, e.clone());
+        // The same engine block again is held once.
+        if feed.blocks.get(&slot) != Some(&o) {
+            pairs.push((slot, o));
+            if feed.hold(key, o) {
+                new.push(o);
+            }
+        }
+    }
+    let applied = match target {
+        Target::Side(g, spec) => {
+            out.already_present += ours.len() - new.len();
+            let ev = KvEvent::Stored {
+                parent,
+                blocks: new,
+            };
+            router.apply_group_event(worker, g, spec, &ev)
+        }
+        _ => {
+            // The index wants the event's chain unbroken: store every block, new or not.
+            let ev = KvEvent::Stored {
+                parent,
+                blocks: ours.clone(),
+            };
+            apply(router, worker, feed, &ev)
+        }
+    };
+    match applied {
+        Ok(a) => {
+            out.events_applied += 1;
+            out.blocks_stored += a.stored;
+            out.already_present += a.already_present;
+            for (slot, o) in pairs {
+                feed.blocks.insert(slot, o);
+            }
+        }
+        // The index no longer holds the parent: it consumed the id and marked the worker stale.
+        Err(crate::Error::Index(kvcache::Error::UnknownParent { .. })) => {
+            out.unknown_parents += 1;
+            for (_, o) in pairs {
+                feed.release(key, o);
+            }
+        }
+        Err(e) => return Err(e.into()),
+    }
+    Ok(())
 }
 
 /// Applies one router event with the next router event id of `worker` (skipping one when the
@@ -315,11 +547,20 @@ fn validate(batch: &EventBatch, router_block_size: usize) -> Result<(), VllmErro
         let EngineEvent::BlockStored(s) = e else {
             continue;
         };
-        if usize::try_from(s.block_size).ok() != Some(router_block_size) {
+        // The group the router hashes with must be at its block size; other groups may differ.
+        let hashed_with = s.group_idx.unwrap_or(0) == 0 && rule_of(s).0 == GroupRule::FullAttention;
+        if hashed_with && usize::try_from(s.block_size).ok() != Some(router_block_size) {
             return Err(VllmError::BlockSizeMismatch {
                 event: i,
                 engine: s.block_size,
                 router: router_block_size,
+            });
+        }
+        if !s.extra_keys.is_empty() && s.extra_keys.len() != s.block_hashes.len() {
+            return Err(VllmError::ExtraKeysCountMismatch {
+                event: i,
+                keys: s.extra_keys.len(),
+                blocks: s.block_hashes.len(),
             });
         }
         let expected = (s.block_hashes.len() as u64).saturating_mul(s.block_size);

@@ -7,8 +7,10 @@
 //!
 //! ```text
 //! [timestamp, [event, ...], data_parallel_rank?]
-//! BlockStored      block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium?, lora_name?
-//! BlockRemoved     block_hashes, medium?
+//! BlockStored      block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium?, lora_name?,
+//!                  extra_keys?, group_idx?, kv_cache_spec_kind?, kv_cache_spec_sliding_window?,
+//!                  lookahead_token_ids?
+//! BlockRemoved     block_hashes, medium?, group_idx?
 //! AllBlocksCleared
 //! ```
 //!
@@ -17,11 +19,43 @@
 //! hashes are integers (a negative `i64` is taken as its bit pattern) or byte strings. Extra fields
 //! and trailing elements are ignored, so newer engines still decode.
 //!
-//! Engine hashes are not ours: vLLM hashes with its own function (and may mix in multimodal
-//! inputs or a cache salt). [`VllmIngest`] therefore re-hashes each stored block's `token_ids`
-//! with [`kvblock`] at the router's block size (salted with `lora_name`), chained from *our* hash
-//! of the engine's parent, and remembers engine hash -> our hash per worker so that a later
+//! Engine hashes are not ours: vLLM hashes with its own function. [`VllmIngest`] therefore
+//! re-hashes each stored block's `token_ids` with [`kvblock`] at the router's block size (salted
+//! with `lora_name`, and keyed by the block's `extra_keys`), chained from *our* hash of the
+//! engine's parent, and remembers engine hash -> our hash per worker and group so that a later
 //! `BlockRemoved` can name the same blocks.
+//!
+//! # KV-cache groups (hybrid models)
+//!
+//! A model with several layer kinds (full and sliding-window attention, attention and Mamba)
+//! has one KV-cache group per kind; vLLM sends one `BlockStored`/`BlockRemoved` per group with
+//! `group_idx`, the *same* hashes in every group, and the group's kind on stores. Each group's
+//! residency is kept apart, so a removal in one group never drops another's copy:
+//!
+//! - the first full-attention group at the router's block size (normally group 0) is mirrored
+//!   by the router's index, as a single-group engine is;
+//! - every other group becomes a [`CacheGroup`](crate::CacheGroup) of the router, with the rule
+//!   of its kind: `sliding_window`/`sliding_window_mla` (with `kv_cache_spec_sliding_window`),
+//!   `mamba` (the state at the hit point), `full_attention`/`mla_attention`/
+//!   `sink_full_attention`; an unknown kind, or a sliding window without its size, is treated
+//!   as full attention and counted in [`IngestSummary::unknown_group_kinds`];
+//! - a group whose block size is a multiple of the router's is tracked at its own size; one
+//!   whose block size is not (or a larger-block group with extra keys) is accepted and counted
+//!   in [`IngestSummary::untracked_blocks`], and does not limit hits. Only the group the router
+//!   hashes with (group 0, or no group, of full attention) must be at the router's block size.
+//!
+//! The hit the router predicts is the one vLLM's hybrid coordinator finds: the longest prefix
+//! that every group can serve (see [`CacheGroup`](crate::CacheGroup)).
+//!
+//! # Extra keys (multimodal prompts, cache salts)
+//!
+//! An image enters a prompt as placeholder tokens that are equal for every image; vLLM keeps
+//! their blocks apart with per-block `extra_keys` (multimodal identifiers with offsets, the cache
+//! salt, prompt-embedding digests, the LoRA name). Ingestion keys our hash of each block by its
+//! extra keys ([`kvblock::ExtraKeys`]; the LoRA name, which vLLM lists first, salts the hasher
+//! instead, so it is not hashed twice). Route such requests with
+//! [`Router::route_tokens_keyed`](crate::Router::route_tokens_keyed) and the request's keys
+//! ([`kvblock::vllm_extra_keys`]); a request without keys never hits blocks stored with keys.
 //!
 //! ```
 //! use kvblock::{BlockHasher, BlockSize};
@@ -82,6 +116,15 @@
 //!   possibly stale (the next router event id is skipped).
 //! - `lora_id` without `lora_name` hashes as no adapter. [`Router::route_tokens`] hashes without a
 //!   LoRA salt; route LoRA requests with [`Router::route`] and a salted [`BlockHasher`].
+//! - `lookahead_token_ids` (speculative decoding: tokens after a block that also keyed the
+//!   engine's hash) are decoded, not hashed: our hash of a block names the block and its whole
+//!   prefix, which is what a later request must share for a hit. An engine that keys one of our
+//!   blocks by more than that stores it under several engine hashes; ingestion counts them per
+//!   block and removes ours with the last.
+//! - The router's hits count up to every full block of a request; an engine recomputes at least
+//!   the last prompt token, so for a prompt that ends on a block boundary it reuses one block
+//!   less. The difference is the same on every worker and does not change a decision.
+//! - A router index snapshot holds the index's group only; the other groups refill from events.
 //! - `medium` and `data_parallel_rank` are decoded but not interpreted: give each data-parallel
 //!   rank (or each medium you track) its own [`WorkerId`].
 //! - The engine-to-ours map of a worker grows by the blocks stored and shrinks by the blocks
@@ -105,4 +148,4 @@ mod wire;
 pub use decode::{decode_event_batch, parse_seq_frame};
 pub use error::VllmError;
 pub use ingest::{IngestStats, IngestSummary, VllmIngest};
-pub use wire::{BlockRemoved, BlockStored, EngineEvent, EngineHash, EventBatch};
+pub use wire::{BlockRemoved, BlockStored, EngineEvent, EngineHash, EventBatch, KeyValue};

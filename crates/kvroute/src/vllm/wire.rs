@@ -79,6 +79,20 @@ pub struct BlockStored {
     pub medium: Option<String>,
     /// The LoRA adapter's name, which salts our block hashes.
     pub lora_name: Option<String>,
+    /// Per block (parent first), what besides its tokens keyed the engine's hash: multimodal
+    /// identifiers with offsets, the cache salt, the LoRA name, prompt-embedding digests
+    /// (`None`: no keys). Empty when the engine sent none. Our re-hash keys each block with them
+    /// ([`kvblock::ExtraKeys`]).
+    pub extra_keys: Vec<Option<Vec<KeyValue>>>,
+    /// The KV-cache group the blocks belong to (hybrid models have several); `None`: the only one.
+    pub group_idx: Option<u32>,
+    /// The group's kind as vLLM names it (`full_attention`, `sliding_window`, `mamba`, ...).
+    pub kv_cache_spec_kind: Option<String>,
+    /// The sliding-window group's window, in tokens.
+    pub kv_cache_spec_sliding_window: Option<u64>,
+    /// Tokens after the last block that keyed the engine's hash (speculative decoding with a
+    /// draft model); accepted, not hashed (see the [module docs](super#limits)).
+    pub lookahead_token_ids: Option<Vec<u32>>,
 }
 
 impl BlockStored {
@@ -97,8 +111,82 @@ impl BlockStored {
             lora_id: None,
             medium: None,
             lora_name: None,
+            extra_keys: Vec::new(),
+            group_idx: None,
+            kv_cache_spec_kind: None,
+            kv_cache_spec_sliding_window: None,
+            lookahead_token_ids: None,
         }
     }
+
+    /// The same event for KV-cache group `group_idx` of kind `kind` (and its window, for a
+    /// sliding-window group).
+    #[must_use]
+    pub fn in_group(mut self, group_idx: u32, kind: &str, sliding_window: Option<u64>) -> Self {
+        self.group_idx = Some(group_idx);
+        self.kv_cache_spec_kind = Some(kind.into());
+        self.kv_cache_spec_sliding_window = sliding_window;
+        self
+    }
+}
+
+/// One value of a block's extra keys, as the engine wrote it (MessagePack's types).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum KeyValue {
+    /// Text.
+    Str(String),
+    /// A byte string.
+    Bytes(Vec<u8>),
+    /// A signed integer.
+    Int(i64),
+    /// An unsigned integer above `i64::MAX`.
+    UInt(u64),
+    /// A float, by its bits.
+    Float(u64),
+    /// A boolean.
+    Bool(bool),
+    /// Nil.
+    Nil,
+    /// A tuple (an array on the wire).
+    Tuple(Vec<KeyValue>),
+}
+
+impl KeyValue {
+    fn push_onto(&self, keys: &mut kvblock::ExtraKeys) {
+        match self {
+            KeyValue::Str(s) => keys.push_str(s),
+            KeyValue::Bytes(b) => keys.push_bytes(b),
+            KeyValue::Int(i) => keys.push_int(*i),
+            KeyValue::UInt(u) => keys.push_uint(*u),
+            KeyValue::Float(bits) => keys.push_float(f64::from_bits(*bits)),
+            KeyValue::Bool(b) => keys.push_bool(*b),
+            KeyValue::Nil => keys.push_nil(),
+            KeyValue::Tuple(items) => keys.push_tuple(&to_extra_keys(items)),
+        };
+    }
+
+    fn to_value(&self) -> Value {
+        match self {
+            KeyValue::Str(s) => Value::from(s.as_str()),
+            KeyValue::Bytes(b) => Value::Binary(b.clone()),
+            KeyValue::Int(i) => Value::from(*i),
+            KeyValue::UInt(u) => Value::from(*u),
+            KeyValue::Float(bits) => Value::F64(f64::from_bits(*bits)),
+            KeyValue::Bool(b) => Value::Boolean(*b),
+            KeyValue::Nil => Value::Nil,
+            KeyValue::Tuple(items) => Value::Array(items.iter().map(KeyValue::to_value).collect()),
+        }
+    }
+}
+
+/// The canonical [`kvblock::ExtraKeys`] of one block's key values.
+pub(super) fn to_extra_keys(values: &[KeyValue]) -> kvblock::ExtraKeys {
+    let mut keys = kvblock::ExtraKeys::new();
+    for v in values {
+        v.push_onto(&mut keys);
+    }
+    keys
 }
 
 /// vLLM's `BlockRemoved`: blocks were evicted.
@@ -109,6 +197,8 @@ pub struct BlockRemoved {
     pub block_hashes: Vec<EngineHash>,
     /// Where the blocks lived, if the engine says.
     pub medium: Option<String>,
+    /// The KV-cache group the blocks belonged to; `None`: the only one.
+    pub group_idx: Option<u32>,
 }
 
 impl BlockRemoved {
@@ -117,7 +207,15 @@ impl BlockRemoved {
         BlockRemoved {
             block_hashes,
             medium: None,
+            group_idx: None,
         }
+    }
+
+    /// The same event for KV-cache group `group_idx`.
+    #[must_use]
+    pub fn in_group(mut self, group_idx: u32) -> Self {
+        self.group_idx = Some(group_idx);
+        self
     }
 }
 
@@ -170,36 +268,57 @@ impl EventBatch {
         }
     }
 
-    /// Encodes the batch as vLLM does: the positional (tagged array) shape, with every field,
-    /// `data_parallel_rank` last only when set. [`decode_event_batch`] reads it back.
+    /// Encodes the batch in the positional (tagged array) shape of older vLLM versions: the
+    /// fields in declaration order, the optional trailing ones (`extra_keys`, `group_idx`, ...)
+    /// only up to the last one set, `data_parallel_rank` last only when set.
+    /// [`decode_event_batch`] reads it back.
     ///
     /// [`decode_event_batch`]: super::decode_event_batch
     pub fn to_msgpack(&self) -> Vec<u8> {
-        let opt_str = |s: &Option<String>| s.as_deref().map_or(Value::Nil, Value::from);
-        let hashes = |hs: &[EngineHash]| Value::Array(hs.iter().map(hash_value).collect());
-        let events = self
-            .events
-            .iter()
-            .map(|e| {
-                let mut v = vec![Value::from(e.name())];
-                match e {
-                    EngineEvent::BlockStored(s) => v.extend([
-                        hashes(&s.block_hashes),
-                        s.parent_block_hash.as_ref().map_or(Value::Nil, hash_value),
-                        Value::Array(s.token_ids.iter().map(|&t| Value::from(t)).collect()),
-                        Value::from(s.block_size),
-                        s.lora_id.map_or(Value::Nil, Value::from),
-                        opt_str(&s.medium),
-                        opt_str(&s.lora_name),
-                    ]),
-                    EngineEvent::BlockRemoved(r) => {
-                        v.extend([hashes(&r.block_hashes), opt_str(&r.medium)]);
-                    }
-                    EngineEvent::AllBlocksCleared => {}
+        self.encode(|e| {
+            let mut v = vec![Value::from(e.name())];
+            v.extend(fields(e).into_iter().map(|(_, value, _)| value));
+            // Trailing defaults are omitted, as msgspec does.
+            let required = match e {
+                EngineEvent::BlockStored(_) => 8,
+                EngineEvent::BlockRemoved(_) => 3,
+                EngineEvent::AllBlocksCleared => 1,
+            };
+            while v.len() > required && v.last() == Some(&Value::Nil) {
+                v.pop();
+            }
+            Value::Array(v)
+        })
+    }
+
+    /// Encodes the batch in the map shape current vLLM versions publish (msgspec's tagged
+    /// structs): `type` first, then the fields by name in declaration order; the fields without
+    /// a default always, the defaulted ones only when set. [`decode_event_batch`] reads it back.
+    ///
+    /// ```
+    /// use kvroute::vllm::{decode_event_batch, BlockRemoved, EngineEvent, EngineHash, EventBatch};
+    /// let removed = BlockRemoved::new(vec![EngineHash::Int(5)]).in_group(1);
+    /// let batch = EventBatch::new(2.0, vec![EngineEvent::BlockRemoved(removed)]);
+    /// assert_eq!(decode_event_batch(&batch.to_msgpack_map())?, batch);
+    /// assert_eq!(decode_event_batch(&batch.to_msgpack())?, batch);
+    /// # Ok::<(), kvroute::vllm::VllmError>(())
+    /// ```
+    ///
+    /// [`decode_event_batch`]: super::decode_event_batch
+    pub fn to_msgpack_map(&self) -> Vec<u8> {
+        self.encode(|e| {
+            let mut m = vec![(Value::from("type"), Value::from(e.name()))];
+            for (name, value, defaulted) in fields(e) {
+                if !(defaulted && value == Value::Nil) {
+                    m.push((Value::from(name), value));
                 }
-                Value::Array(v)
-            })
-            .collect();
+            }
+            Value::Map(m)
+        })
+    }
+
+    fn encode(&self, event: impl Fn(&EngineEvent) -> Value) -> Vec<u8> {
+        let events = self.events.iter().map(event).collect();
         let mut batch = vec![Value::F64(self.timestamp), Value::Array(events)];
         if let Some(rank) = self.data_parallel_rank {
             batch.push(Value::from(rank));
@@ -210,6 +329,74 @@ impl EventBatch {
             out.clear();
         }
         out
+    }
+}
+
+/// An event's fields in declaration order: name, value, and whether the field has a default
+/// (and may be left out when it is nil).
+fn fields(e: &EngineEvent) -> Vec<(&'static str, Value, bool)> {
+    let opt_str = |s: &Option<String>| s.as_deref().map_or(Value::Nil, Value::from);
+    let hashes = |hs: &[EngineHash]| Value::Array(hs.iter().map(hash_value).collect());
+    let tokens = |ts: &[u32]| Value::Array(ts.iter().map(|&t| Value::from(t)).collect());
+    match e {
+        EngineEvent::BlockStored(s) => vec![
+            ("block_hashes", hashes(&s.block_hashes), false),
+            (
+                "parent_block_hash",
+                s.parent_block_hash.as_ref().map_or(Value::Nil, hash_value),
+                false,
+            ),
+            ("token_ids", tokens(&s.token_ids), false),
+            ("block_size", Value::from(s.block_size), false),
+            ("lora_id", s.lora_id.map_or(Value::Nil, Value::from), false),
+            ("medium", opt_str(&s.medium), false),
+            ("lora_name", opt_str(&s.lora_name), true),
+            (
+                "extra_keys",
+                if s.extra_keys.is_empty() {
+                    Value::Nil
+                } else {
+                    Value::Array(
+                        s.extra_keys
+                            .iter()
+                            .map(|k| {
+                                k.as_ref().map_or(Value::Nil, |vs| {
+                                    Value::Array(vs.iter().map(KeyValue::to_value).collect())
+                                })
+                            })
+                            .collect(),
+                    )
+                },
+                true,
+            ),
+            (
+                "group_idx",
+                s.group_idx.map_or(Value::Nil, Value::from),
+                true,
+            ),
+            ("kv_cache_spec_kind", opt_str(&s.kv_cache_spec_kind), true),
+            (
+                "kv_cache_spec_sliding_window",
+                s.kv_cache_spec_sliding_window
+                    .map_or(Value::Nil, Value::from),
+                true,
+            ),
+            (
+                "lookahead_token_ids",
+                s.lookahead_token_ids.as_deref().map_or(Value::Nil, tokens),
+                true,
+            ),
+        ],
+        EngineEvent::BlockRemoved(r) => vec![
+            ("block_hashes", hashes(&r.block_hashes), false),
+            ("medium", opt_str(&r.medium), false),
+            (
+                "group_idx",
+                r.group_idx.map_or(Value::Nil, Value::from),
+                true,
+            ),
+        ],
+        EngineEvent::AllBlocksCleared => Vec::new(),
     }
 }
 
@@ -280,5 +467,108 @@ pub(super) fn opt_string(at: &str, v: Option<Value>) -> Result<Option<String>, V
         None | Some(Value::Nil) => Ok(None),
         Some(Value::String(s)) if s.is_str() => Ok(s.into_str()),
         Some(v) => Err(schema(at.into(), "a UTF-8 string or nil", &v)),
+    }
+}
+
+pub(super) fn opt_u64(
+    at: &str,
+    v: Option<Value>,
+    what: &'static str,
+) -> Result<Option<u64>, VllmError> {
+    match v {
+        None | Some(Value::Nil) => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .map(Some)
+            .ok_or_else(|| schema(at.into(), what, &v)),
+    }
+}
+
+pub(super) fn opt_group(at: &str, v: Option<Value>) -> Result<Option<u32>, VllmError> {
+    match v {
+        None | Some(Value::Nil) => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .and_then(|g| u32::try_from(g).ok())
+            .map(Some)
+            .ok_or_else(|| schema(at.into(), "a group index from 0 to 4294967295, or nil", &v)),
+    }
+}
+
+fn key_value(at: &str, v: Value) -> Result<KeyValue, VllmError> {
+    Ok(match v {
+        Value::Nil => KeyValue::Nil,
+        Value::Boolean(b) => KeyValue::Bool(b),
+        Value::Integer(i) => match (i.as_i64(), i.as_u64()) {
+            (Some(s), _) => KeyValue::Int(s),
+            (None, Some(u)) => KeyValue::UInt(u),
+            (None, None) => return Err(schema(at.into(), "an integer", &Value::Integer(i))),
+        },
+        Value::F32(f) => KeyValue::Float(f64::from(f).to_bits()),
+        Value::F64(f) => KeyValue::Float(f.to_bits()),
+        Value::String(s) => match s.into_str() {
+            Some(s) => KeyValue::Str(s),
+            None => {
+                return Err(VllmError::Schema {
+                    at: at.into(),
+                    expected: "a UTF-8 string",
+                    got: "a string that is not UTF-8".into(),
+                })
+            }
+        },
+        Value::Binary(b) => KeyValue::Bytes(b),
+        Value::Array(items) => KeyValue::Tuple(
+            items
+                .into_iter()
+                .enumerate()
+                .map(|(k, x)| key_value(&format!("{at}[{k}]"), x))
+                .collect::<Result<_, _>>()?,
+        ),
+        other => {
+            return Err(schema(
+                at.into(),
+                "an extra key (a string, bytes, a number, a tuple or nil)",
+                &other,
+            ))
+        }
+    })
+}
+
+pub(super) fn extra_keys(
+    at: &str,
+    v: Option<Value>,
+) -> Result<Vec<Option<Vec<KeyValue>>>, VllmError> {
+    match v {
+        None | Some(Value::Nil) => Ok(Vec::new()),
+        Some(Value::Array(blocks)) => blocks
+            .into_iter()
+            .enumerate()
+            .map(|(i, b)| match b {
+                Value::Nil => Ok(None),
+                Value::Array(items) => items
+                    .into_iter()
+                    .enumerate()
+                    .map(|(k, x)| key_value(&format!("{at}[{i}][{k}]"), x))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map(Some),
+                other => Err(schema(
+                    format!("{at}[{i}]"),
+                    "a block's extra keys (a tuple or nil)",
+                    &other,
+                )),
+            })
+            .collect(),
+        Some(other) => Err(schema(
+            at.into(),
+            "a list of per-block extra keys, or nil",
+            &other,
+        )),
+    }
+}
+
+pub(super) fn opt_tokens(at: &str, v: Option<Value>) -> Result<Option<Vec<u32>>, VllmError> {
+    match v {
+        None | Some(Value::Nil) => Ok(None),
+        Some(v) => token_list(at, v).map(Some),
     }
 }

@@ -120,7 +120,10 @@ fn check_message(e: &VllmError) {
 struct State {
     snapshot: IndexSnapshot,
     pairs: usize,
+    /// Blocks in the index's view and in every other cache group, per worker.
     views: [usize; 2],
+    /// The index's view alone.
+    index_views: [usize; 2],
     next_seq: [u64; 2],
     mapped: [usize; 2],
 }
@@ -130,7 +133,15 @@ impl State {
         State {
             snapshot: router.snapshot_index(),
             pairs: router.index().pairs(),
-            views: WORKERS.map(|w| router.cache_view(w)),
+            views: WORKERS.map(|w| {
+                router.cache_view(w)
+                    + router
+                        .groups(w)
+                        .iter()
+                        .filter_map(|&(g, _)| router.group_view(w, g))
+                        .sum::<usize>()
+            }),
+            index_views: WORKERS.map(|w| router.cache_view(w)),
             next_seq: WORKERS.map(|w| ingest.next_seq(w)),
             mapped: WORKERS.map(|w| ingest.mapped_blocks(w)),
         }
@@ -281,8 +292,8 @@ fn apply_one(router: &mut Router, ingest: &mut VllmIngest, ctl: u8, payload: &[u
                 - s.blocks_removed as i128
                 - s.blocks_cleared as i128;
             assert_eq!(after.views[slot] as i128, view, "cache view after {s:?}");
-            let pairs =
-                before.pairs as i128 + after.views[slot] as i128 - before.views[slot] as i128;
+            let pairs = before.pairs as i128 + after.index_views[slot] as i128
+                - before.index_views[slot] as i128;
             assert_eq!(after.pairs as i128, pairs, "pair count after {s:?}");
             let other = 1 - slot;
             assert_eq!(after.views[other], before.views[other]);
