@@ -18,7 +18,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use crate::driver::{EngineHandle, Progress};
-use crate::tokenize::{ChatTemplate, Codec};
+use crate::tokenize::{self, ChatTemplate, Codec};
 
 /// What the HTTP layer needs to know about the engine and the model.
 #[derive(Debug)]
@@ -365,33 +365,8 @@ fn finish_prepare(
 fn prepare_completion(st: &AppState, body: &Bytes) -> Result<Prepared, ApiError> {
     let req = parse_body(body)?;
     common(st, &req)?;
-    let ids = |items: &[Value]| -> Option<Vec<u32>> {
-        items
-            .iter()
-            .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
-            .collect()
-    };
-    let encode = |text: &str| st.cfg.codec.encode(text, true).map_err(bad);
-    let tokens = match req.get("prompt") {
-        None | Some(Value::Null) => return Err(bad("missing field `prompt`")),
-        Some(Value::String(s)) => encode(s)?,
-        Some(Value::Array(items)) if items.is_empty() => return Err(bad("the prompt is empty")),
-        Some(Value::Array(items)) => {
-            match &items[0] {
-                Value::Number(_) => {
-                    ids(items).ok_or_else(|| bad("prompt: token ids must be integers >= 0"))?
-                }
-                Value::String(s) if items.len() == 1 => encode(s)?,
-                Value::Array(inner) if items.len() == 1 => {
-                    ids(inner).ok_or_else(|| bad("prompt: token ids must be integers >= 0"))?
-                }
-                _ => return Err(bad(
-                    "prompt: one text or one list of token ids (batched prompts are not supported)",
-                )),
-            }
-        }
-        Some(v) => return Err(bad(format!("prompt: expected text or token ids, got {v}"))),
-    };
+    let tokens =
+        tokenize::prompt_tokens(&req, |text| st.cfg.codec.encode(text, true)).map_err(bad)?;
     let n = max_tokens(&req, &["max_tokens"])?;
     finish_prepare(st, &req, tokens, n, false)
 }
@@ -399,35 +374,7 @@ fn prepare_completion(st: &AppState, body: &Bytes) -> Result<Prepared, ApiError>
 fn prepare_chat(st: &AppState, body: &Bytes) -> Result<Prepared, ApiError> {
     let req = parse_body(body)?;
     common(st, &req)?;
-    let Some(Value::Array(msgs)) = req.get("messages") else {
-        return Err(bad("missing field `messages` (a list of messages)"));
-    };
-    if msgs.is_empty() {
-        return Err(bad("messages is empty"));
-    }
-    // Content given as a list of parts becomes its text parts, joined.
-    let mut norm = Vec::with_capacity(msgs.len());
-    for m in msgs {
-        let Some(role) = m.get("role").and_then(Value::as_str) else {
-            return Err(bad("every message needs a string `role`"));
-        };
-        let content = match m.get("content") {
-            Some(Value::String(s)) => s.clone(),
-            Some(Value::Array(parts)) => parts
-                .iter()
-                .filter_map(|p| p.get("text").and_then(Value::as_str))
-                .collect::<Vec<_>>()
-                .join("\n"),
-            None | Some(Value::Null) => String::new(),
-            Some(v) => return Err(bad(format!("message content: expected text, got {v}"))),
-        };
-        norm.push(json!({"role": role, "content": content}));
-    }
-    let text = st
-        .cfg
-        .template
-        .render(&Value::Array(norm))
-        .map_err(|e| bad(e.to_string()))?;
+    let text = tokenize::chat_text(&st.cfg.template, &req).map_err(bad)?;
     let tokens = st.cfg.codec.encode(&text, false).map_err(bad)?;
     let n = max_tokens(&req, &["max_completion_tokens", "max_tokens"])?;
     finish_prepare(st, &req, tokens, n, true)

@@ -229,6 +229,81 @@ fn token_text(v: Option<&Value>) -> String {
     }
 }
 
+/// The prompt of an OpenAI completions request body as token ids: `prompt` as text (through
+/// `encode`), a list of token ids, or a one-element list of either. The error says what is wrong.
+///
+/// ```
+/// use kvmock::tokenize::prompt_tokens;
+/// let body = |v: serde_json::Value| v.as_object().cloned().unwrap_or_default();
+/// let ids = prompt_tokens(&body(serde_json::json!({"prompt": [1, 2, 3]})), |_| Err("no text".into()));
+/// assert_eq!(ids, Ok(vec![1, 2, 3]));
+/// let text = prompt_tokens(&body(serde_json::json!({"prompt": "hi"})), |t| Ok(vec![t.len() as u32]));
+/// assert_eq!(text, Ok(vec![2]));
+/// assert!(prompt_tokens(&body(serde_json::json!({})), |_| Ok(vec![])).is_err());
+/// ```
+pub fn prompt_tokens(
+    req: &serde_json::Map<String, Value>,
+    encode: impl Fn(&str) -> Result<Vec<u32>, String>,
+) -> Result<Vec<u32>, String> {
+    let ids = |items: &[Value]| -> Result<Vec<u32>, String> {
+        items
+            .iter()
+            .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+            .collect::<Option<_>>()
+            .ok_or_else(|| "prompt: token ids must be integers from 0 to 4294967295".into())
+    };
+    match req.get("prompt") {
+        None | Some(Value::Null) => Err("missing field `prompt`".into()),
+        Some(Value::String(s)) => encode(s),
+        Some(Value::Array(items)) if items.is_empty() => Err("the prompt is empty".into()),
+        Some(Value::Array(items)) => match &items[0] {
+            Value::Number(_) => ids(items),
+            Value::String(s) if items.len() == 1 => encode(s),
+            Value::Array(inner) if items.len() == 1 => ids(inner),
+            _ => Err(
+                "prompt: one text or one list of token ids (batched prompts are not supported)"
+                    .into(),
+            ),
+        },
+        Some(v) => Err(format!("prompt: expected text or token ids, got {v}")),
+    }
+}
+
+/// The text an OpenAI chat request's `messages` render to through the model's chat template
+/// (with the generation prompt), as the engine renders it. Content given as a list of parts
+/// becomes its text parts, joined by newlines.
+pub fn chat_text(
+    template: &ChatTemplate,
+    req: &serde_json::Map<String, Value>,
+) -> Result<String, String> {
+    let Some(Value::Array(msgs)) = req.get("messages") else {
+        return Err("missing field `messages` (a list of messages)".into());
+    };
+    if msgs.is_empty() {
+        return Err("messages is empty".into());
+    }
+    let mut norm = Vec::with_capacity(msgs.len());
+    for m in msgs {
+        let Some(role) = m.get("role").and_then(Value::as_str) else {
+            return Err("every message needs a string `role`".into());
+        };
+        let content = match m.get("content") {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Array(parts)) => parts
+                .iter()
+                .filter_map(|p| p.get("text").and_then(Value::as_str))
+                .collect::<Vec<_>>()
+                .join("\n"),
+            None | Some(Value::Null) => String::new(),
+            Some(v) => return Err(format!("message content: expected text, got {v}")),
+        };
+        norm.push(serde_json::json!({"role": role, "content": content}));
+    }
+    template
+        .render(&Value::Array(norm))
+        .map_err(|e| e.to_string())
+}
+
 /// Loads `--tokenizer PATH`: a `tokenizer.json`, or a directory with it and (optionally)
 /// `tokenizer_config.json` holding `chat_template`, `bos_token`, `eos_token`.
 pub fn load(path: &Path) -> Result<(Codec, ChatTemplate), MockError> {

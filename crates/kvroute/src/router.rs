@@ -321,6 +321,52 @@ impl Router {
         true
     }
 
+    /// Takes a registered worker out of routing (`false`: it is down, say) or back in (`true`),
+    /// keeping its mirrored cache and its in-flight load, so it comes back warm. While out of
+    /// routing it is left out of every policy, [`workers`](Self::workers) and
+    /// [`explain`](Self::explain); its events still apply. Returns whether the worker is
+    /// registered. [`restore_index`](Self::restore_index) puts every worker back in.
+    ///
+    /// ```
+    /// use kvblock::BlockSize;
+    /// use kvroute::{Policy, RequestId, Role, Router, WorkerId};
+    /// let mut router = Router::builder().policy(Policy::RoundRobin).build()?;
+    /// let (a, b) = (WorkerId::new(0), WorkerId::new(1));
+    /// router.add_worker(a);
+    /// router.add_worker(b);
+    /// router.set_routable(a, false);
+    /// let picks: Vec<WorkerId> = (0..3)
+    ///     .map(|i| router.route(RequestId::new(i), &[], Role::Unified).map(|d| d.worker))
+    ///     .collect::<Result<_, _>>()?;
+    /// assert_eq!(picks, [b, b, b]);
+    /// assert!(router.set_routable(a, true));
+    /// assert_eq!(router.workers(), [a, b]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn set_routable(&mut self, worker: WorkerId, routable: bool) -> bool {
+        let Some(i) = self
+            .index
+            .worker_index(worker)
+            .filter(|&i| self.is_member(i))
+        else {
+            return false;
+        };
+        let listed = self.members.contains(&i);
+        if routable && !listed {
+            let pos = self
+                .members
+                .partition_point(|&m| self.slots[m].as_ref().is_some_and(|l| l.id < worker));
+            self.members.insert(pos, i);
+            self.ring.add(worker);
+            self.next_rr = 0;
+        } else if !routable && listed {
+            self.members.retain(|&m| m != i);
+            self.ring.remove(worker);
+            self.next_rr = 0;
+        }
+        true
+    }
+
     fn is_member(&self, i: usize) -> bool {
         self.slots.get(i).is_some_and(Option::is_some)
     }

@@ -19,5 +19,6 @@ pub mod cache;
 pub mod chains;
 pub mod fuzz;
 pub mod index;
+pub mod net;
 pub mod router;
 pub mod splitmix;

@@ -1,0 +1,259 @@
+//! The server's settings: the command line, and the static worker list it names.
+
+use std::path::PathBuf;
+use std::str::FromStr;
+
+use clap::Parser;
+
+/// A KV-aware router server in front of vLLM (or SGLang, or `kvmock`) engines: OpenAI-compatible
+/// requests in, each tokenised, scored against every worker's mirrored KV cache (fed by the
+/// engines' ZMQ KV events) and forwarded to the winner, the response streamed back.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "kvserver", version, about, long_about, after_help = EXAMPLES)]
+pub struct Config {
+    /// Address to listen on.
+    #[arg(long, default_value = "0.0.0.0", value_name = "HOST")]
+    pub host: String,
+    /// HTTP port.
+    #[arg(long, default_value_t = 8000, value_name = "PORT")]
+    pub port: u16,
+    /// How a worker is chosen: kv-aware (the cost function), prefix-aware (consistent hashing
+    /// of the first blocks), round-robin or random.
+    #[arg(long, default_value = "kv-aware", value_name = "POLICY")]
+    pub router_policy: PolicyName,
+    /// Weight of blocks a worker would have to prefill, against its in-flight blocks.
+    #[arg(long, default_value_t = 1.0, value_name = "W")]
+    pub kv_overlap_weight: f64,
+    /// The weight for prefill requests [default: --kv-overlap-weight].
+    #[arg(long, value_name = "W")]
+    pub kv_prefill_overlap_weight: Option<f64>,
+    /// The weight for decode requests [default: --kv-overlap-weight].
+    #[arg(long, value_name = "W")]
+    pub kv_decode_overlap_weight: Option<f64>,
+    /// The model's tokenizer: a tokenizer.json, or a directory with it and tokenizer_config.json
+    /// (the chat template). Without one, only requests with token ids can be routed.
+    #[arg(long, value_name = "PATH")]
+    pub router_tokenizer_path: Option<PathBuf>,
+    /// Tokens per KV block: must equal the engines' --block-size.
+    #[arg(long, default_value_t = 16, value_name = "TOKENS")]
+    pub block_size: usize,
+    /// Where workers come from: static (the --worker list).
+    #[arg(long, default_value = "static", value_name = "BACKEND")]
+    pub discovery_backend: Discovery,
+    /// A worker: its HTTP URL, then optionally its KV-event PUB endpoint and its replay
+    /// endpoint, e.g. http://127.0.0.1:30000,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558
+    /// (repeat for each worker).
+    #[arg(long = "worker", value_name = "URL[,events=EP][,replay=EP]")]
+    pub workers: Vec<WorkerSpec>,
+    /// How KV events arrive: zmq (vLLM's and SGLang's publisher).
+    #[arg(long, default_value = "zmq", value_name = "TRANSPORT")]
+    pub kv_event_transport: EventTransport,
+    /// How requests are forwarded: http.
+    #[arg(long, default_value = "http", value_name = "TRANSPORT")]
+    pub request_transport: RequestTransport,
+    /// Seed of the router's tie-breaking (and of the random policy).
+    #[arg(long, default_value_t = 0, value_name = "S")]
+    pub seed: u64,
+    /// Largest request body accepted; larger ones get 413.
+    #[arg(long, default_value_t = 16 << 20, value_name = "BYTES")]
+    pub max_body_bytes: usize,
+}
+
+const EXAMPLES: &str = "Examples:
+  # two engines with KV events (kvmock here; vLLM takes the same --kv-events-config)
+  kvmock --port 30000 --enable-kv-events --kv-events-config \
+'{\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:5557\",\"replay_endpoint\":\"tcp://*:5558\"}' &
+  kvmock --port 30001 --enable-kv-events --kv-events-config \
+'{\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:5567\",\"replay_endpoint\":\"tcp://*:5568\"}' &
+  kvserver --port 8000 \\
+    --worker http://127.0.0.1:30000,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558 \\
+    --worker http://127.0.0.1:30001,events=tcp://127.0.0.1:5567,replay=tcp://127.0.0.1:5568
+  curl localhost:8000/v1/completions -d '{\"prompt\": [1, 2, 3], \"max_tokens\": 4}'
+  curl localhost:8000/v1/admin/cache-view/127.0.0.1:30000";
+
+impl Default for Config {
+    fn default() -> Self {
+        Config::parse_from(["kvserver"])
+    }
+}
+
+/// `--router-policy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PolicyName {
+    /// The cost function.
+    KvAware,
+    /// Consistent hashing of the first blocks.
+    PrefixAware,
+    /// In turn.
+    RoundRobin,
+    /// Uniformly at random (seeded).
+    Random,
+}
+
+impl FromStr for PolicyName {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "kv-aware" | "kv" => Ok(PolicyName::KvAware),
+            "prefix-aware" | "prefix_aware" => Ok(PolicyName::PrefixAware),
+            "round-robin" | "round_robin" => Ok(PolicyName::RoundRobin),
+            "random" => Ok(PolicyName::Random),
+            _ => Err(format!(
+                "unknown policy {s:?}: expected kv-aware, prefix-aware, round-robin or random"
+            )),
+        }
+    }
+}
+
+impl From<PolicyName> for kvroute::Policy {
+    fn from(p: PolicyName) -> Self {
+        match p {
+            PolicyName::KvAware => kvroute::Policy::Kv,
+            PolicyName::PrefixAware => kvroute::Policy::PrefixAware,
+            PolicyName::RoundRobin => kvroute::Policy::RoundRobin,
+            PolicyName::Random => kvroute::Policy::Random,
+        }
+    }
+}
+
+/// `--discovery-backend`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Discovery {
+    /// The `--worker` list.
+    Static,
+}
+
+impl FromStr for Discovery {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "static" => Ok(Discovery::Static),
+            "etcd" => Err("the etcd discovery backend is not built yet: use static".into()),
+            _ => Err(format!("unknown discovery backend {s:?}: expected static")),
+        }
+    }
+}
+
+/// `--kv-event-transport`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventTransport {
+    /// ZMQ SUB to each worker's publisher.
+    Zmq,
+}
+
+impl FromStr for EventTransport {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "zmq" => Ok(EventTransport::Zmq),
+            _ => Err(format!("unknown KV-event transport {s:?}: expected zmq")),
+        }
+    }
+}
+
+/// `--request-transport`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestTransport {
+    /// HTTP/1.1 to each worker's OpenAI server.
+    Http,
+}
+
+impl FromStr for RequestTransport {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "http" => Ok(RequestTransport::Http),
+            _ => Err(format!("unknown request transport {s:?}: expected http")),
+        }
+    }
+}
+
+/// One `--worker`: where its OpenAI server listens and where it publishes KV events.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerSpec {
+    /// The HTTP base URL, e.g. `http://127.0.0.1:30000`.
+    pub url: String,
+    /// Its name in the admin API and metrics: the URL's `host:port`.
+    pub name: String,
+    /// The ZMQ PUB endpoint of its KV events, if any.
+    pub events: Option<String>,
+    /// The ZMQ ROUTER endpoint that replays missed batches, if any.
+    pub replay: Option<String>,
+}
+
+impl FromStr for WorkerSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let mut parts = s.split(',');
+        let url = parts
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .trim_end_matches('/');
+        let rest = url
+            .strip_prefix("http://")
+            .ok_or_else(|| format!("worker {s:?}: expected a URL starting with http://"))?;
+        let name = rest.split('/').next().unwrap_or_default();
+        if !name.contains(':') || name.starts_with(':') {
+            return Err(format!(
+                "worker {s:?}: expected http://HOST:PORT (the port names the worker)"
+            ));
+        }
+        let mut spec = WorkerSpec {
+            url: url.to_string(),
+            name: name.to_string(),
+            events: None,
+            replay: None,
+        };
+        for p in parts {
+            match p.split_once('=') {
+                Some(("events", ep)) if ep.starts_with("tcp://") => spec.events = Some(ep.into()),
+                Some(("replay", ep)) if ep.starts_with("tcp://") => spec.replay = Some(ep.into()),
+                _ => {
+                    return Err(format!(
+                        "worker {s:?}: unknown part {p:?}: expected events=tcp://HOST:PORT or replay=tcp://HOST:PORT"
+                    ))
+                }
+            }
+        }
+        Ok(spec)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worker_specs_parse_and_errors_name_the_part() {
+        let w: WorkerSpec =
+            "http://127.0.0.1:30000,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558"
+                .parse()
+                .unwrap();
+        assert_eq!(w.name, "127.0.0.1:30000");
+        assert_eq!(w.events.as_deref(), Some("tcp://127.0.0.1:5557"));
+        assert_eq!(w.replay.as_deref(), Some("tcp://127.0.0.1:5558"));
+        let bare: WorkerSpec = "http://10.0.0.1:8000/".parse().unwrap();
+        assert_eq!(
+            (bare.url.as_str(), bare.events),
+            ("http://10.0.0.1:8000", None)
+        );
+        assert!("10.0.0.1:8000"
+            .parse::<WorkerSpec>()
+            .unwrap_err()
+            .contains("http://"));
+        assert!("http://h:1,foo=bar"
+            .parse::<WorkerSpec>()
+            .unwrap_err()
+            .contains("\"foo=bar\""));
+        assert!("http://host".parse::<WorkerSpec>().is_err());
+    }
+
+    #[test]
+    fn defaults_are_the_documents() {
+        let c = Config::default();
+        assert_eq!((c.port, c.block_size, c.kv_overlap_weight), (8000, 16, 1.0));
+        assert_eq!(c.router_policy, PolicyName::KvAware);
+        assert!("etcd".parse::<Discovery>().is_err());
+    }
+}

@@ -1,0 +1,126 @@
+//! KV events: one ZMQ SUB per worker, decoded and applied by `kvroute::vllm`; missed batches are
+//! fetched from the worker's replay socket before the batch that revealed the gap.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvroute::vllm::{parse_seq_frame, IngestSummary, VllmError};
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+
+use crate::state::{Server, Worker};
+
+/// How long a replay may take before it is given up (the gap is then recorded as stale).
+const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Subscribes to `worker`'s events and applies them until the process ends; reconnects when
+/// the connection cannot be made.
+pub async fn follow(server: Arc<Server>, worker: Arc<Worker>) {
+    let Some(endpoint) = worker.spec.events.clone() else {
+        return;
+    };
+    loop {
+        let mut sub = zeromq::SubSocket::new();
+        let connected = tokio::time::timeout(Duration::from_secs(5), sub.connect(&endpoint)).await;
+        if !matches!(connected, Ok(Ok(()))) || sub.subscribe("").await.is_err() {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            continue;
+        }
+        while let Ok(msg) = sub.recv().await {
+            let frames = msg.into_vec();
+            on_message(&server, &worker, &frames).await;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Applies one multipart message, first replaying what a sequence gap says was missed.
+pub async fn on_message(server: &Server, worker: &Worker, frames: &[Bytes]) {
+    if let (Some(replay), [_, seq, _]) = (&worker.spec.replay, frames) {
+        if let Ok(seq) = parse_seq_frame(seq) {
+            let expected = server.mirror().ingest.next_seq(worker.id);
+            if seq > expected {
+                server.counters.replays.fetch_add(1, Ordering::Relaxed);
+                match fetch_replay(replay, expected).await {
+                    Ok(batches) => {
+                        for (s, payload) in batches.into_iter().filter(|(s, _)| *s < seq) {
+                            let mut m = server.mirror();
+                            let m = &mut *m;
+                            let r =
+                                m.ingest
+                                    .apply_payload(&mut m.router, worker.id, Some(s), &payload);
+                            if count(server, worker, &r) {
+                                server
+                                    .counters
+                                    .replayed_batches
+                                    .fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                    Err(e) => eprintln!(
+                        "kvserver: replay from {} of worker {} failed: {e}",
+                        replay, worker.spec.name
+                    ),
+                }
+            }
+        }
+    }
+    let r = {
+        let mut m = server.mirror();
+        let m = &mut *m;
+        m.ingest.apply_multipart(&mut m.router, worker.id, frames)
+    };
+    count(server, worker, &r);
+}
+
+/// Counts an applied or rejected batch; true when applied.
+fn count(server: &Server, worker: &Worker, r: &Result<IngestSummary, VllmError>) -> bool {
+    let c = &server.counters;
+    match r {
+        Ok(s) => {
+            c.batches_applied.fetch_add(1, Ordering::Relaxed);
+            c.gaps
+                .fetch_add(u64::from(s.gap.is_some()), Ordering::Relaxed);
+            true
+        }
+        Err(e) => {
+            c.batches_rejected.fetch_add(1, Ordering::Relaxed);
+            eprintln!(
+                "kvserver: KV-event batch of worker {} rejected: {e}",
+                worker.spec.name
+            );
+            false
+        }
+    }
+}
+
+/// Asks a vLLM replay (ROUTER) socket for every batch from `start`: the (seq, payload) pairs
+/// before its end marker (sequence number -1).
+pub async fn fetch_replay(endpoint: &str, start: u64) -> Result<Vec<(u64, Bytes)>, String> {
+    let work = async {
+        let mut d = zeromq::DealerSocket::new();
+        d.connect(endpoint).await.map_err(|e| e.to_string())?;
+        let mut m = ZmqMessage::from(Bytes::new());
+        m.push_back(Bytes::copy_from_slice(&start.to_be_bytes()));
+        d.send(m).await.map_err(|e| e.to_string())?;
+        let mut out = Vec::new();
+        loop {
+            let msg = d.recv().await.map_err(|e| e.to_string())?.into_vec();
+            // [empty delimiter, seq, payload]
+            let [_, seq, payload] = &msg[..] else {
+                return Err(format!("a replay message of {} frames", msg.len()));
+            };
+            let seq = <[u8; 8]>::try_from(seq.as_ref())
+                .map(i64::from_be_bytes)
+                .map_err(|_| format!("a replay sequence frame of {} bytes", seq.len()))?;
+            if seq < 0 {
+                return Ok(out);
+            }
+            out.push((seq as u64, payload.clone()));
+        }
+    };
+    tokio::time::timeout(REPLAY_TIMEOUT, work)
+        .await
+        .map_err(|_| format!("no end marker within {REPLAY_TIMEOUT:?}"))?
+}

@@ -1,0 +1,99 @@
+//! `kvserver`: the KV-aware router server of the source document, on `kvroute`.
+//!
+//! Engines (vLLM, SGLang, `kvmock`) publish their KV events over ZMQ; the server mirrors every
+//! worker's cache from them ([`kvroute::vllm`]), tokenises each OpenAI-compatible request with
+//! the model's tokenizer (and chat template), scores every worker with the cost function,
+//! forwards the request body unchanged to the winner and streams the response back, releasing
+//! the request's load when the stream ends, fails or the client goes away. A worker that
+//! refuses a connection is marked down (routing skips it; its mirror and subscription stay, so it
+//! comes back warm) and the next-best worker gets the request.
+//!
+//! | method and path | what |
+//! |---|---|
+//! | `POST /v1/completions`, `POST /v1/chat/completions` | routed and forwarded |
+//! | `GET /v1/models` | the union of the workers' models |
+//! | `GET /health` | `ok` |
+//! | `GET /metrics` | Prometheus text: requests routed per worker, request and hit blocks, events applied, gaps, replays, stale workers, cache views, route latency, upstream errors |
+//! | `GET /v1/admin/cache-view/{worker}` | `{"worker_id": "host:port", "block_count": n}` |
+//! | `GET /v1/admin/workers` | every worker's cache view, load, staleness and state |
+//!
+//! Errors are OpenAI's error objects: 400 for a malformed body or a text prompt without a
+//! tokenizer, 413 for a body over `--max-body-bytes`, 503 when no worker is available.
+//!
+//! ```no_run
+//! use clap::Parser;
+//! let cfg = kvserver::Config::parse_from(["kvserver", "--port", "8000",
+//!     "--worker", "http://127.0.0.1:30000,events=tcp://127.0.0.1:5557"]);
+//! let rt = tokio::runtime::Runtime::new()?;
+//! rt.block_on(kvserver::run(cfg, std::future::pending()))?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+#![deny(missing_docs)]
+
+pub mod config;
+pub mod events;
+pub mod proxy;
+pub mod state;
+
+use std::sync::Arc;
+
+pub use config::{Config, WorkerSpec};
+pub use state::Server;
+
+/// Errors of the server's set-up; each names the flag.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServerError {
+    /// A setting that cannot be used.
+    #[error("{flag}: {message}")]
+    Setting {
+        /// The flag.
+        flag: &'static str,
+        /// What is wrong.
+        message: String,
+    },
+    /// The listening socket could not be opened.
+    #[error("--host/--port {addr}: {source}")]
+    Listen {
+        /// The address.
+        addr: String,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// Runs the server for `cfg` until `shutdown` resolves: binds, subscribes to every worker's
+/// events, serves.
+pub async fn run(
+    cfg: Config,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    let addr = format!("{}:{}", cfg.host, cfg.port);
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .map_err(|source| ServerError::Listen {
+            addr: addr.clone(),
+            source,
+        })?;
+    serve(listener, cfg, shutdown).await
+}
+
+/// [`run`] on a listener already bound (tests bind port 0).
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    cfg: Config,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    let server = Arc::new(Server::new(cfg)?);
+    for w in &server.workers {
+        tokio::spawn(events::follow(Arc::clone(&server), Arc::clone(w)));
+    }
+    let addr = listener
+        .local_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_default();
+    axum::serve(listener, proxy::app(server))
+        .with_graceful_shutdown(shutdown)
+        .await
+        .map_err(|source| ServerError::Listen { addr, source })
+}

@@ -1,0 +1,27 @@
+//! `kvserver`: the KV-aware router server. `kvserver --help` explains every flag.
+
+use clap::Parser;
+
+fn main() {
+    let cfg = kvserver::Config::parse();
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kvserver: cannot start the runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    let shutdown = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    eprintln!(
+        "kvserver: listening on {}:{} with {} worker(s)",
+        cfg.host,
+        cfg.port,
+        cfg.workers.len()
+    );
+    if let Err(e) = rt.block_on(kvserver::run(cfg, shutdown)) {
+        eprintln!("kvserver: {e}");
+        std::process::exit(2);
+    }
+}

@@ -1,0 +1,346 @@
+//! The HTTP side: OpenAI-compatible requests tokenised, routed, forwarded unchanged and
+//! streamed back; the admin views, `/v1/models`, `/health` and `/metrics`.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures_util::StreamExt;
+use http_body_util::{BodyExt, BodyStream, Full};
+use kvmock::tokenize;
+use kvroute::{RequestId, Role};
+use serde_json::{json, Map, Value};
+
+use crate::state::{Server, Worker};
+
+/// The routes over `server`.
+pub fn app(server: Arc<Server>) -> axum::Router {
+    let limit = server.cfg.max_body_bytes;
+    axum::Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { "ok" }))
+        .route("/metrics", get(metrics))
+        .route("/v1/admin/cache-view/{worker}", get(cache_view))
+        .route("/v1/admin/workers", get(workers))
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(server)
+}
+
+/// An OpenAI-shaped error.
+fn error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
+    let body = json!({"error": {"message": message.into(), "type": kind, "param": null,
+                               "code": status.as_u16()}});
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+fn bad(message: impl Into<String>) -> Response {
+    error(StatusCode::BAD_REQUEST, "BadRequestError", message)
+}
+
+/// An error answer not yet rendered (small, unlike a `Response`).
+struct ApiError(StatusCode, &'static str, String);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        error(self.0, self.1, self.2)
+    }
+}
+
+fn parse(body: &Bytes) -> Result<Map<String, Value>, ApiError> {
+    let bad = |m: String| ApiError(StatusCode::BAD_REQUEST, "BadRequestError", m);
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(_) => Err(bad("the request body must be a JSON object".into())),
+        Err(e) => Err(bad(format!("invalid JSON body: {e}"))),
+    }
+}
+
+const NO_TOKENIZER: &str = "this router has no tokenizer (start it with \
+--router-tokenizer-path): send the prompt as token ids";
+
+fn encode(server: &Server, text: &str, special: bool) -> Result<Vec<u32>, String> {
+    match &server.text {
+        Some((codec, _)) => codec.encode(text, special),
+        None => Err(NO_TOKENIZER.into()),
+    }
+}
+
+type Body413 = Result<Bytes, axum::extract::rejection::BytesRejection>;
+
+/// The body, or the OpenAI-shaped error for one too large (or unreadable).
+fn body_of(server: &Server, body: Body413) -> Result<Bytes, ApiError> {
+    body.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "RequestTooLargeError",
+                format!(
+                    "the request body is larger than {} bytes (--max-body-bytes)",
+                    server.cfg.max_body_bytes
+                ),
+            )
+        } else {
+            ApiError(StatusCode::BAD_REQUEST, "BadRequestError", e.body_text())
+        }
+    })
+}
+
+async fn completions(State(server): State<Arc<Server>>, body: Body413) -> Response {
+    let body = match body_of(&server, body) {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    let req = match parse(&body) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    match tokenize::prompt_tokens(&req, |t| encode(&server, t, true)) {
+        Ok(tokens) => forward(server, "/v1/completions", body, &tokens).await,
+        Err(e) => bad(e),
+    }
+}
+
+async fn chat(State(server): State<Arc<Server>>, body: Body413) -> Response {
+    let body = match body_of(&server, body) {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    let req = match parse(&body) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let Some((_, template)) = &server.text else {
+        return bad("this router has no tokenizer (start it with --router-tokenizer-path): chat requests need one");
+    };
+    let tokens = tokenize::chat_text(template, &req).and_then(|t| encode(&server, &t, false));
+    match tokens {
+        Ok(tokens) => forward(server, "/v1/chat/completions", body, &tokens).await,
+        Err(e) => bad(e),
+    }
+}
+
+/// Releases a request's load in the router when its response ends, fails or is dropped.
+struct Finish {
+    server: Arc<Server>,
+    id: RequestId,
+}
+
+impl Drop for Finish {
+    fn drop(&mut self) {
+        // Finishing twice cannot happen: the guard runs once.
+        let _ = self.server.mirror().router.finish(self.id);
+    }
+}
+
+/// Routes `tokens`, forwards `body` to the winner and streams its response back. A worker that
+/// refuses the connection is marked down and the next-best one is tried.
+async fn forward(server: Arc<Server>, path: &str, body: Bytes, tokens: &[u32]) -> Response {
+    for _ in 0..server.workers.len().max(1) {
+        let id = server.next_request_id();
+        let started = Instant::now();
+        let decision = server
+            .mirror()
+            .router
+            .route_tokens(id, tokens, Role::Unified);
+        server.observe_route(started.elapsed().as_micros() as u64);
+        let d = match decision {
+            Ok(d) => d,
+            Err(kvroute::Error::NoWorkers) => {
+                return error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "ServiceUnavailableError",
+                    "no worker is available",
+                )
+            }
+            Err(e) => {
+                return error(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "InternalServerError",
+                    e.to_string(),
+                )
+            }
+        };
+        let guard = Finish {
+            server: Arc::clone(&server),
+            id,
+        };
+        let Some(worker) = server.worker(d.worker).cloned() else {
+            continue;
+        };
+        let c = &server.counters;
+        c.request_blocks
+            .fetch_add(d.request_blocks as u64, Ordering::Relaxed);
+        c.hit_blocks
+            .fetch_add(d.cache_hits as u64, Ordering::Relaxed);
+        log::decision(&worker, &d);
+        let req = hyper::Request::post(format!("{}{path}", worker.spec.url))
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Full::new(body.clone()));
+        let req = match req {
+            Ok(r) => r,
+            Err(e) => return bad(format!("cannot forward the request: {e}")),
+        };
+        match server.client.request(req).await {
+            Ok(resp) => {
+                worker.routed.fetch_add(1, Ordering::Relaxed);
+                server.set_down(&worker, false);
+                return stream_back(resp, guard, worker);
+            }
+            Err(e) => {
+                worker.upstream_errors.fetch_add(1, Ordering::Relaxed);
+                eprintln!(
+                    "kvserver: worker {} refused the request: {e}",
+                    worker.spec.name
+                );
+                drop(guard);
+                server.set_down(&worker, true);
+            }
+        }
+    }
+    error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "ServiceUnavailableError",
+        "no worker accepted the request",
+    )
+}
+
+/// The worker's response, streamed as it arrives; the request is finished when it ends.
+fn stream_back(
+    resp: hyper::Response<hyper::body::Incoming>,
+    guard: Finish,
+    worker: Arc<Worker>,
+) -> Response {
+    let (parts, body) = resp.into_parts();
+    let stream = BodyStream::new(body).filter_map(move |frame| {
+        // The guard lives as long as the stream: dropped at its end, or with the client.
+        let _held = &guard;
+        let out = match frame {
+            Ok(f) => f.into_data().ok().map(Ok),
+            Err(e) => {
+                worker.upstream_errors.fetch_add(1, Ordering::Relaxed);
+                Some(Err(std::io::Error::other(format!(
+                    "worker {} broke off the response: {e}",
+                    worker.spec.name
+                ))))
+            }
+        };
+        std::future::ready(out)
+    });
+    let mut out = Response::new(Body::from_stream(stream));
+    *out.status_mut() = parts.status;
+    for (k, v) in &parts.headers {
+        if k != header::CONTENT_LENGTH && k != header::TRANSFER_ENCODING && k != header::CONNECTION
+        {
+            out.headers_mut().insert(k.clone(), v.clone());
+        }
+    }
+    if let Some(len) = parts.headers.get(header::CONTENT_LENGTH) {
+        out.headers_mut()
+            .insert(header::CONTENT_LENGTH, len.clone());
+    }
+    out
+}
+
+async fn models(State(server): State<Arc<Server>>) -> Response {
+    let mut seen = std::collections::BTreeMap::new();
+    for w in &server.workers {
+        let Ok(req) =
+            hyper::Request::get(format!("{}/v1/models", w.spec.url)).body(Full::new(Bytes::new()))
+        else {
+            continue;
+        };
+        let Ok(Ok(resp)) = tokio::time::timeout(
+            std::time::Duration::from_secs(2),
+            server.client.request(req),
+        )
+        .await
+        else {
+            continue;
+        };
+        let Ok(body) = resp.into_body().collect().await else {
+            continue;
+        };
+        let Ok(v) = serde_json::from_slice::<Value>(&body.to_bytes()) else {
+            continue;
+        };
+        for m in v["data"].as_array().into_iter().flatten() {
+            if let Some(id) = m["id"].as_str() {
+                seen.entry(id.to_string()).or_insert_with(|| m.clone());
+            }
+        }
+    }
+    let data: Vec<Value> = seen.into_values().collect();
+    axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+async fn metrics(State(server): State<Arc<Server>>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        server.metrics_text(),
+    )
+        .into_response()
+}
+
+async fn cache_view(State(server): State<Arc<Server>>, Path(name): Path<String>) -> Response {
+    match server.worker_named(&name) {
+        Some(w) => {
+            let n = server.mirror().router.cache_view(w.id);
+            axum::Json(json!({"worker_id": name, "block_count": n})).into_response()
+        }
+        None => error(
+            StatusCode::NOT_FOUND,
+            "NotFoundError",
+            format!("no worker {name:?}: workers are named host:port"),
+        ),
+    }
+}
+
+async fn workers(State(server): State<Arc<Server>>) -> Response {
+    let m = server.mirror();
+    let list: Vec<Value> = server
+        .workers
+        .iter()
+        .map(|w| {
+            json!({
+                "worker_id": w.spec.name,
+                "url": w.spec.url,
+                "state": if w.down.load(Ordering::Relaxed) { "down" } else { "up" },
+                "block_count": m.router.cache_view(w.id),
+                "in_flight": m.router.in_flight(w.id),
+                "active_blocks": m.router.active_blocks(w.id),
+                "stale": m.router.index().is_stale(w.id),
+                "routed": w.routed.load(Ordering::Relaxed),
+                "upstream_errors": w.upstream_errors.load(Ordering::Relaxed),
+            })
+        })
+        .collect();
+    axum::Json(json!({"workers": list})).into_response()
+}
+
+mod log {
+    use kvroute::Decision;
+
+    use crate::state::Worker;
+
+    /// One line per decision when `KVSERVER_LOG=debug`.
+    pub(super) fn decision(w: &Worker, d: &Decision) {
+        if std::env::var_os("KVSERVER_LOG").is_some_and(|v| v == "debug") {
+            eprintln!(
+                "kvserver: routed to {} with {} of {} blocks cached, cost {}",
+                w.spec.name, d.cache_hits, d.request_blocks, d.cost
+            );
+        }
+    }
+}

@@ -1,0 +1,326 @@
+//! The server's shared state: the router and its vLLM adapter behind one lock, the workers,
+//! the tokenizer and the counters `/metrics` shows.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use kvblock::BlockSize;
+use kvmock::tokenize::{self, ChatTemplate, Codec};
+use kvroute::vllm::VllmIngest;
+use kvroute::{Router, WorkerId};
+
+use crate::config::{Config, WorkerSpec};
+use crate::ServerError;
+
+/// The HTTP client that forwards requests to the workers.
+pub(crate) type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+/// The router and its vLLM adapter: changed together, so one lock.
+#[derive(Debug)]
+pub struct Mirror {
+    /// The router.
+    pub router: Router,
+    /// Its vLLM event adapter.
+    pub ingest: VllmIngest,
+}
+
+/// One worker (an engine).
+#[derive(Debug)]
+pub struct Worker {
+    /// Its id in the router.
+    pub id: WorkerId,
+    /// Where it is.
+    pub spec: WorkerSpec,
+    /// Refused a connection, and has not answered since: routing skips it.
+    pub down: AtomicBool,
+    /// Requests routed to it.
+    pub routed: AtomicU64,
+    /// Requests it failed (refused, or broke off mid-stream).
+    pub upstream_errors: AtomicU64,
+}
+
+/// Server-wide counters.
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Full prompt blocks of routed requests.
+    pub request_blocks: AtomicU64,
+    /// Of those, blocks the router predicted cached on the chosen worker.
+    pub hit_blocks: AtomicU64,
+    /// vLLM batches applied.
+    pub batches_applied: AtomicU64,
+    /// vLLM batches rejected (malformed, invalid, replayed).
+    pub batches_rejected: AtomicU64,
+    /// Batches that followed missed ones.
+    pub gaps: AtomicU64,
+    /// Replay requests sent.
+    pub replays: AtomicU64,
+    /// Batches obtained by replay and applied.
+    pub replayed_batches: AtomicU64,
+    /// Route decision latency: counts per bucket of [`LATENCY_BUCKETS_US`], then the overflow.
+    pub route_latency: [AtomicU64; LATENCY_BUCKETS_US.len() + 1],
+    /// Sum of route decision latencies, microseconds.
+    pub route_latency_sum_us: AtomicU64,
+}
+
+/// Upper bounds of the route-latency histogram's buckets, microseconds.
+pub const LATENCY_BUCKETS_US: [u64; 9] = [5, 10, 25, 50, 100, 250, 500, 1_000, 5_000];
+
+/// The shared state of a running server.
+pub struct Server {
+    /// The settings.
+    pub cfg: Config,
+    mirror: Mutex<Mirror>,
+    /// Workers, by router id (the id is the position).
+    pub workers: Vec<Arc<Worker>>,
+    /// The tokenizer and chat template, when `--router-tokenizer-path` was given.
+    pub text: Option<(Codec, ChatTemplate)>,
+    /// Counters for `/metrics`.
+    pub counters: Counters,
+    next_request: AtomicU64,
+    pub(crate) client: HttpClient,
+}
+
+impl std::fmt::Debug for Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Server")
+            .field("workers", &self.workers)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Server {
+    /// The state for `cfg`: the router, the static workers, the tokenizer.
+    pub fn new(cfg: Config) -> Result<Self, ServerError> {
+        let block_size = BlockSize::new(cfg.block_size).map_err(|e| ServerError::Setting {
+            flag: "--block-size",
+            message: e.to_string(),
+        })?;
+        let setting = |e: kvroute::Error| ServerError::Setting {
+            flag: match &e {
+                kvroute::Error::InvalidWeight { name, .. } if name.contains("prefill") => {
+                    "--kv-prefill-overlap-weight"
+                }
+                kvroute::Error::InvalidWeight { name, .. } if name.contains("decode") => {
+                    "--kv-decode-overlap-weight"
+                }
+                _ => "--kv-overlap-weight",
+            },
+            message: e.to_string(),
+        };
+        let mut b = Router::builder()
+            .block_size(block_size)
+            .policy(cfg.router_policy.into())
+            .overlap_weight(cfg.kv_overlap_weight)
+            .seed(cfg.seed);
+        if let Some(w) = cfg.kv_prefill_overlap_weight {
+            b = b.prefill_overlap_weight(w);
+        }
+        if let Some(w) = cfg.kv_decode_overlap_weight {
+            b = b.decode_overlap_weight(w);
+        }
+        let mut router = b.build().map_err(setting)?;
+        let mut workers = Vec::new();
+        for (i, spec) in cfg.workers.iter().enumerate() {
+            if workers
+                .iter()
+                .any(|w: &Arc<Worker>| w.spec.name == spec.name)
+            {
+                return Err(ServerError::Setting {
+                    flag: "--worker",
+                    message: format!("worker {} is given twice", spec.name),
+                });
+            }
+            let id = WorkerId::new(i as u64);
+            router.add_worker(id);
+            workers.push(Arc::new(Worker {
+                id,
+                spec: spec.clone(),
+                down: AtomicBool::new(false),
+                routed: AtomicU64::new(0),
+                upstream_errors: AtomicU64::new(0),
+            }));
+        }
+        let text = match &cfg.router_tokenizer_path {
+            None => None,
+            Some(p) => Some(tokenize::load(p).map_err(|e| ServerError::Setting {
+                flag: "--router-tokenizer-path",
+                message: e.to_string(),
+            })?),
+        };
+        let mut conn = HttpConnector::new();
+        conn.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(1024)
+            .build(conn);
+        Ok(Server {
+            cfg,
+            mirror: Mutex::new(Mirror {
+                router,
+                ingest: VllmIngest::new(),
+            }),
+            workers,
+            text,
+            counters: Counters::default(),
+            next_request: AtomicU64::new(1),
+            client,
+        })
+    }
+
+    /// The router and its adapter, locked. Hold it for one operation, never across an await.
+    pub fn mirror(&self) -> MutexGuard<'_, Mirror> {
+        // A panic while holding the lock cannot leave the router half-changed in a way later
+        // calls trip on (each call validates before it changes anything), so keep serving.
+        self.mirror.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A fresh request id.
+    pub fn next_request_id(&self) -> kvroute::RequestId {
+        kvroute::RequestId::new(self.next_request.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// The worker named `name` (`host:port`).
+    pub fn worker_named(&self, name: &str) -> Option<&Arc<Worker>> {
+        self.workers.iter().find(|w| w.spec.name == name)
+    }
+
+    /// The worker with router id `id`.
+    pub fn worker(&self, id: WorkerId) -> Option<&Arc<Worker>> {
+        usize::try_from(id.get())
+            .ok()
+            .and_then(|i| self.workers.get(i))
+    }
+
+    /// Marks a worker down (routing skips it) or up again.
+    pub fn set_down(&self, w: &Worker, down: bool) {
+        if w.down.swap(down, Ordering::Relaxed) != down {
+            self.mirror().router.set_routable(w.id, !down);
+            eprintln!(
+                "kvserver: worker {} is {}",
+                w.spec.name,
+                if down { "down" } else { "up again" }
+            );
+        }
+    }
+
+    /// Records one route decision's latency.
+    pub fn observe_route(&self, us: u64) {
+        let c = &self.counters;
+        let k = LATENCY_BUCKETS_US
+            .iter()
+            .position(|&b| us <= b)
+            .unwrap_or(LATENCY_BUCKETS_US.len());
+        c.route_latency[k].fetch_add(1, Ordering::Relaxed);
+        c.route_latency_sum_us.fetch_add(us, Ordering::Relaxed);
+    }
+
+    /// `/metrics` in Prometheus text.
+    pub fn metrics_text(&self) -> String {
+        let c = &self.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut out = String::new();
+        let mut counter = |name: &str, help: &str, v: u64| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
+            );
+        };
+        counter(
+            "kvserver_request_blocks_total",
+            "Full prompt blocks of routed requests.",
+            get(&c.request_blocks),
+        );
+        counter(
+            "kvserver_cache_hit_blocks_total",
+            "Prompt blocks the router predicted cached on the chosen worker.",
+            get(&c.hit_blocks),
+        );
+        counter(
+            "kvserver_kv_batches_applied_total",
+            "KV-event batches applied.",
+            get(&c.batches_applied),
+        );
+        counter(
+            "kvserver_kv_batches_rejected_total",
+            "KV-event batches rejected (malformed, invalid or replayed).",
+            get(&c.batches_rejected),
+        );
+        counter(
+            "kvserver_kv_gaps_total",
+            "KV-event batches that followed missed ones.",
+            get(&c.gaps),
+        );
+        counter(
+            "kvserver_kv_replays_total",
+            "Replay requests sent to workers.",
+            get(&c.replays),
+        );
+        counter(
+            "kvserver_kv_replayed_batches_total",
+            "Batches obtained by replay and applied.",
+            get(&c.replayed_batches),
+        );
+        let (views, stale): (Vec<(String, usize)>, usize) = {
+            let m = self.mirror();
+            let views = self
+                .workers
+                .iter()
+                .map(|w| (w.spec.name.clone(), m.router.cache_view(w.id)))
+                .collect();
+            let stale = self
+                .workers
+                .iter()
+                .filter(|w| m.router.index().is_stale(w.id))
+                .count();
+            (views, stale)
+        };
+        let _ = writeln!(
+            out,
+            "# HELP kvserver_stale_workers Workers whose mirror may have missed events.\n# TYPE kvserver_stale_workers gauge\nkvserver_stale_workers {stale}"
+        );
+        let _ = writeln!(out, "# HELP kvserver_requests_routed_total Requests routed, by worker.\n# TYPE kvserver_requests_routed_total counter");
+        for w in &self.workers {
+            let _ = writeln!(
+                out,
+                "kvserver_requests_routed_total{{worker=\"{}\"}} {}",
+                w.spec.name,
+                get(&w.routed)
+            );
+        }
+        let _ = writeln!(out, "# HELP kvserver_upstream_errors_total Requests a worker refused or broke off, by worker.\n# TYPE kvserver_upstream_errors_total counter");
+        for w in &self.workers {
+            let _ = writeln!(
+                out,
+                "kvserver_upstream_errors_total{{worker=\"{}\"}} {}",
+                w.spec.name,
+                get(&w.upstream_errors)
+            );
+        }
+        let _ = writeln!(out, "# HELP kvserver_cache_view_blocks Blocks the router believes each worker holds.\n# TYPE kvserver_cache_view_blocks gauge");
+        for (name, n) in views {
+            let _ = writeln!(out, "kvserver_cache_view_blocks{{worker=\"{name}\"}} {n}");
+        }
+        let _ = writeln!(out, "# HELP kvserver_route_seconds Route decision latency (tokenising excluded).\n# TYPE kvserver_route_seconds histogram");
+        let mut cumulative = 0;
+        for (k, &b) in LATENCY_BUCKETS_US.iter().enumerate() {
+            cumulative += get(&c.route_latency[k]);
+            let _ = writeln!(
+                out,
+                "kvserver_route_seconds_bucket{{le=\"{}\"}} {cumulative}",
+                b as f64 / 1e6
+            );
+        }
+        cumulative += get(&c.route_latency[LATENCY_BUCKETS_US.len()]);
+        let _ = writeln!(
+            out,
+            "kvserver_route_seconds_bucket{{le=\"+Inf\"}} {cumulative}\nkvserver_route_seconds_sum {}\nkvserver_route_seconds_count {cumulative}",
+            get(&c.route_latency_sum_us) as f64 / 1e6
+        );
+        out
+    }
+}

@@ -1,0 +1,362 @@
+//! `kvserver` in front of two `kvmock` engines, all real processes on free loopback ports:
+//! routing by the engines' KV events, streaming, the admin views and metrics, bad input, and an
+//! engine that goes away. Every wait is bounded; every process is killed on drop.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvtest::net::{free_port, http, sse_events, try_http};
+use serde_json::Value;
+
+/// A child process killed when dropped.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The `kvmock` binary beside this test's (built by `cargo test --workspace`), else built now.
+fn kvmock_bin() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().and_then(|d| d.parent()).unwrap().to_path_buf();
+    let bin = dir.join(format!("kvmock{}", std::env::consts::EXE_SUFFIX));
+    if !bin.exists() {
+        let status = Command::new(env!("CARGO"))
+            .args(["build", "-p", "kvmock", "--bin", "kvmock"])
+            .status()
+            .expect("cargo runs");
+        assert!(status.success(), "building kvmock failed");
+    }
+    bin
+}
+
+fn wait_healthy(port: u16, child: &mut Child, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("{what} exited early: {status}");
+        }
+        if let Ok((200, _)) = try_http(port, "GET", "/health", None) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what} did not become healthy");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+struct Engine {
+    proc: Proc,
+    port: u16,
+    events: u16,
+    replay: u16,
+}
+
+impl Engine {
+    fn start() -> Engine {
+        let (port, events, replay) = (free_port(), free_port(), free_port());
+        let cfg = format!(
+            r#"{{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:{events}", "replay_endpoint": "tcp://127.0.0.1:{replay}"}}"#
+        );
+        let mut child = Command::new(kvmock_bin())
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args([
+                "--speedup",
+                "100",
+                "--enable-kv-events",
+                "--kv-events-config",
+                &cfg,
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("kvmock starts");
+        wait_healthy(port, &mut child, "kvmock");
+        Engine {
+            proc: Proc(child),
+            port,
+            events,
+            replay,
+        }
+    }
+
+    fn name(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    fn spec(&self) -> String {
+        format!(
+            "http://127.0.0.1:{},events=tcp://127.0.0.1:{},replay=tcp://127.0.0.1:{}",
+            self.port, self.events, self.replay
+        )
+    }
+}
+
+struct Kvserver {
+    _proc: Proc,
+    port: u16,
+}
+
+impl Kvserver {
+    fn start(engines: &[&Engine], extra: &[&str]) -> Kvserver {
+        let port = free_port();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvserver"));
+        cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()]);
+        for e in engines {
+            cmd.args(["--worker", &e.spec()]);
+        }
+        let mut child = cmd
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("kvserver starts");
+        wait_healthy(port, &mut child, "kvserver");
+        // Let the subscriptions reach the publishers (ZMQ's slow joiner).
+        std::thread::sleep(Duration::from_millis(500));
+        Kvserver {
+            _proc: Proc(child),
+            port,
+        }
+    }
+
+    fn post(&self, path: &str, body: &str) -> (u16, String) {
+        http(self.port, "POST", path, Some(body))
+    }
+
+    fn get_json(&self, path: &str) -> Value {
+        let (status, body) = http(self.port, "GET", path, None);
+        assert_eq!(status, 200, "{path}: {body}");
+        serde_json::from_str(&body).unwrap()
+    }
+
+    fn metric(&self, name: &str) -> f64 {
+        let (_, text) = http(self.port, "GET", "/metrics", None);
+        text.lines()
+            .find(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("metric {name} missing from:\n{text}"))
+    }
+
+    fn block_count(&self, worker: &str) -> u64 {
+        self.get_json(&format!("/v1/admin/cache-view/{worker}"))["block_count"]
+            .as_u64()
+            .unwrap()
+    }
+
+    /// Waits (at most 10 s) until the router's view of `worker` holds at least `n` blocks.
+    fn wait_blocks(&self, worker: &str, n: u64) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.block_count(worker) < n {
+            assert!(
+                Instant::now() < deadline,
+                "{worker} never showed {n} blocks"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn routed(&self) -> Vec<(String, u64)> {
+        let v = self.get_json("/v1/admin/workers");
+        v["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| {
+                (
+                    w["worker_id"].as_str().unwrap().to_string(),
+                    w["routed"].as_u64().unwrap(),
+                )
+            })
+            .collect()
+    }
+}
+
+fn completion(tokens: &[u32], stream: bool) -> String {
+    serde_json::json!({"model": "mock", "prompt": tokens, "max_tokens": 3, "stream": stream,
+                       "ignore_eos": true})
+    .to_string()
+}
+
+#[test]
+fn routes_by_the_engines_events_and_streams_back() {
+    let (a, b) = (Engine::start(), Engine::start());
+    let server = Kvserver::start(&[&a, &b], &[]);
+    let prompt: Vec<u32> = (0..64).collect();
+
+    let (status, body) = server.post("/v1/completions", &completion(&prompt, false));
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 3, "{v}");
+    let first = server
+        .routed()
+        .into_iter()
+        .find(|(_, n)| *n == 1)
+        .map(|(w, _)| w)
+        .unwrap();
+    // The engine's KV events reach the router's mirror of the worker it chose.
+    server.wait_blocks(&first, 4);
+    assert_eq!(
+        server.get_json(&format!("/v1/admin/cache-view/{first}")),
+        serde_json::json!({"worker_id": first, "block_count": 4})
+    );
+
+    // The same prefix goes to the same worker, as 4 predicted hits; streaming passes through.
+    let mut longer = prompt.clone();
+    longer.extend(1000..1016);
+    let (status, body) = server.post("/v1/completions", &completion(&longer, true));
+    assert_eq!(status, 200, "{body}");
+    let events = sse_events(&body);
+    assert!(events.len() >= 3, "{body}");
+    assert_eq!(
+        server
+            .routed()
+            .into_iter()
+            .find(|(w, _)| *w == first)
+            .unwrap()
+            .1,
+        2
+    );
+    assert_eq!(server.metric("kvserver_cache_hit_blocks_total"), 4.0);
+    assert_eq!(server.metric("kvserver_request_blocks_total"), 9.0);
+    assert!(server.metric("kvserver_kv_batches_applied_total") >= 1.0);
+    // Every request's load was released when its response ended.
+    let workers = server.get_json("/v1/admin/workers");
+    for w in workers["workers"].as_array().unwrap() {
+        assert_eq!(w["in_flight"], 0, "{w}");
+        assert_eq!(w["state"], "up", "{w}");
+    }
+    // The union of the engines' models.
+    let models = server.get_json("/v1/models");
+    assert_eq!(models["data"][0]["id"], "mock", "{models}");
+    let names = [a.name(), b.name()];
+    assert!(names.contains(&first));
+}
+
+#[test]
+fn bad_input_gets_openai_errors() {
+    let a = Engine::start();
+    let server = Kvserver::start(&[&a], &["--max-body-bytes", "2000"]);
+    let error = |(status, body): (u16, String)| {
+        let v: Value = serde_json::from_str(&body).unwrap_or_else(|_| panic!("{status}: {body}"));
+        (
+            status,
+            v["error"]["message"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+        )
+    };
+    let (s, m) = error(server.post("/v1/completions", "{not json"));
+    assert_eq!(s, 400);
+    assert!(m.contains("invalid JSON"), "{m}");
+    let (s, m) = error(server.post("/v1/completions", r#"{"prompt": "hello"}"#));
+    assert_eq!(s, 400);
+    assert!(m.contains("--router-tokenizer-path"), "{m}");
+    let (s, m) = error(server.post("/v1/chat/completions", r#"{"messages": []}"#));
+    assert_eq!(s, 400);
+    assert!(m.contains("tokenizer"), "{m}");
+    let (s, m) = error(server.post("/v1/completions", r#"{"max_tokens": 1}"#));
+    assert_eq!(s, 400);
+    assert!(m.contains("prompt"), "{m}");
+    let big: Vec<u32> = (0..2000).collect();
+    let (s, m) = error(server.post("/v1/completions", &completion(&big, false)));
+    assert_eq!(s, 413);
+    assert!(m.contains("--max-body-bytes"), "{m}");
+    let (s, _) = http(server.port, "GET", "/v1/admin/cache-view/nobody:1", None);
+    assert_eq!(s, 404);
+    // The engine's own errors come back as they are.
+    let (s, body) = server.post(
+        "/v1/completions",
+        &completion(&[], false)
+            .replace("[]", "[1]")
+            .replace("\"max_tokens\":3", "\"max_tokens\":0"),
+    );
+    assert_eq!(s, 400, "{body}");
+    // And good requests still work.
+    let (s, body) = server.post("/v1/completions", &completion(&[1, 2, 3], false));
+    assert_eq!(s, 200, "{body}");
+}
+
+#[test]
+fn a_worker_that_goes_away_is_skipped_and_its_requests_go_elsewhere() {
+    let (mut a, b) = (Engine::start(), Engine::start());
+    let server = Kvserver::start(&[&a, &b], &["--router-policy", "round-robin"]);
+    let prompt: Vec<u32> = (0..32).collect();
+    for _ in 0..2 {
+        let (status, body) = server.post("/v1/completions", &completion(&prompt, false));
+        assert_eq!(status, 200, "{body}");
+    }
+    // Engine a stops; every later request is served by b.
+    let _ = a.proc.0.kill();
+    let _ = a.proc.0.wait();
+    for _ in 0..4 {
+        let (status, body) = server.post("/v1/completions", &completion(&prompt, false));
+        assert_eq!(status, 200, "{body}");
+    }
+    let workers = server.get_json("/v1/admin/workers");
+    let state = |name: &str| {
+        workers["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|w| w["worker_id"] == name)
+            .cloned()
+            .unwrap()
+    };
+    assert_eq!(state(&a.name())["state"], "down", "{workers}");
+    assert_eq!(state(&b.name())["state"], "up", "{workers}");
+    assert_eq!(state(&b.name())["routed"], 5, "{workers}");
+    assert!(
+        server.metric(&format!(
+            "kvserver_upstream_errors_total{{worker=\"{}\"}}",
+            a.name()
+        )) >= 1.0
+    );
+    // Nothing left in flight anywhere.
+    for w in workers["workers"].as_array().unwrap() {
+        assert_eq!(w["in_flight"], 0, "{w}");
+    }
+}
+
+#[test]
+fn no_worker_is_503() {
+    let port = free_port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvserver"))
+        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_healthy(port, &mut child, "kvserver");
+    let _guard = Proc(child);
+    let (status, body) = http(
+        port,
+        "POST",
+        "/v1/completions",
+        Some(&completion(&[1, 2], false)),
+    );
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("\"error\""), "{body}");
+}
+
+#[test]
+fn bad_flags_exit_2_naming_the_flag() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvserver"))
+        .args(["--worker", "127.0.0.1:30000"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--worker") && err.contains("http://"), "{err}");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvserver"))
+        .args(["--block-size", "0", "--port", &free_port().to_string()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--block-size"));
+}
