@@ -88,10 +88,15 @@ pub async fn serve(
     for w in &server.workers {
         tokio::spawn(events::follow(Arc::clone(&server), Arc::clone(w)));
     }
+    tokio::spawn(proxy::revive(Arc::clone(&server)));
     let addr = listener
         .local_addr()
         .map(|a| a.to_string())
         .unwrap_or_default();
+    // No Nagle delay: streamed chunks leave when the engine sends them.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, proxy::app(server))
         .with_graceful_shutdown(shutdown)
         .await

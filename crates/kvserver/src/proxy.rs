@@ -253,6 +253,30 @@ fn stream_back(
     out
 }
 
+/// How often a down worker's `/health` is asked whether it is back.
+const REVIVE_EVERY: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// Brings down workers back into routing once their `/health` answers 200 again.
+pub async fn revive(server: Arc<Server>) {
+    loop {
+        tokio::time::sleep(REVIVE_EVERY).await;
+        for w in &server.workers {
+            if !w.down.load(Ordering::Relaxed) {
+                continue;
+            }
+            let Ok(req) =
+                hyper::Request::get(format!("{}/health", w.spec.url)).body(Full::new(Bytes::new()))
+            else {
+                continue;
+            };
+            let answer = tokio::time::timeout(REVIVE_EVERY, server.client.request(req)).await;
+            if matches!(answer, Ok(Ok(ref r)) if r.status().is_success()) {
+                server.set_down(w, false);
+            }
+        }
+    }
+}
+
 async fn models(State(server): State<Arc<Server>>) -> Response {
     let mut seen = std::collections::BTreeMap::new();
     for w in &server.workers {

@@ -57,7 +57,10 @@ struct Engine {
 
 impl Engine {
     fn start() -> Engine {
-        let (port, events, replay) = (free_port(), free_port(), free_port());
+        Engine::start_at(free_port(), free_port(), free_port())
+    }
+
+    fn start_at(port: u16, events: u16, replay: u16) -> Engine {
         let cfg = format!(
             r#"{{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:{events}", "replay_endpoint": "tcp://127.0.0.1:{replay}"}}"#
         );
@@ -321,6 +324,20 @@ fn a_worker_that_goes_away_is_skipped_and_its_requests_go_elsewhere() {
     for w in workers["workers"].as_array().unwrap() {
         assert_eq!(w["in_flight"], 0, "{w}");
     }
+
+    // The engine comes back on the same ports: it is routed to again, and its new events
+    // (a restarted publisher) reach the router.
+    let a = Engine::start_at(a.port, a.events, a.replay);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while server.get_json("/v1/admin/workers")["workers"][0]["state"] != "up" {
+        assert!(Instant::now() < deadline, "the engine never came back");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for _ in 0..2 {
+        let (status, body) = server.post("/v1/completions", &completion(&prompt, false));
+        assert_eq!(status, 200, "{body}");
+    }
+    server.wait_blocks(&a.name(), 2);
 }
 
 #[test]
