@@ -25,6 +25,7 @@
 pub mod core;
 pub mod driver;
 pub mod error;
+pub mod etcd;
 pub mod events;
 pub mod load;
 pub mod server;

@@ -37,9 +37,14 @@ pub struct Config {
     /// Tokens per KV block: must equal the engines' --block-size.
     #[arg(long, default_value_t = 16, value_name = "TOKENS")]
     pub block_size: usize,
-    /// Where workers come from: static (the --worker list).
+    /// Where workers come from: static (the --worker list) or etcd (records under
+    /// kvkit/workers/ with a lease, as kvmock --etcd-endpoint registers them; polled twice a
+    /// second). The --worker list is used with either.
     #[arg(long, default_value = "static", value_name = "BACKEND")]
     pub discovery_backend: Discovery,
+    /// The etcd server of --discovery-backend etcd (its client URL's HOST:PORT).
+    #[arg(long, default_value = "127.0.0.1:2379", value_name = "HOST:PORT")]
+    pub etcd_endpoint: String,
     /// A worker: its HTTP URL, then optionally its KV-event PUB endpoint and its replay
     /// endpoint, e.g. http://127.0.0.1:30000,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558
     /// (repeat for each worker).
@@ -121,6 +126,8 @@ impl From<PolicyName> for kvroute::Policy {
 pub enum Discovery {
     /// The `--worker` list.
     Static,
+    /// Records in etcd.
+    Etcd,
 }
 
 impl FromStr for Discovery {
@@ -128,8 +135,10 @@ impl FromStr for Discovery {
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "static" => Ok(Discovery::Static),
-            "etcd" => Err("the etcd discovery backend is not built yet: use static".into()),
-            _ => Err(format!("unknown discovery backend {s:?}: expected static")),
+            "etcd" => Ok(Discovery::Etcd),
+            _ => Err(format!(
+                "unknown discovery backend {s:?}: expected static or etcd"
+            )),
         }
     }
 }
@@ -254,6 +263,7 @@ mod tests {
         let c = Config::default();
         assert_eq!((c.port, c.block_size, c.kv_overlap_weight), (8000, 16, 1.0));
         assert_eq!(c.router_policy, PolicyName::KvAware);
-        assert!("etcd".parse::<Discovery>().is_err());
+        assert_eq!("etcd".parse::<Discovery>(), Ok(Discovery::Etcd));
+        assert!("consul".parse::<Discovery>().is_err());
     }
 }

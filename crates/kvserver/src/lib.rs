@@ -31,6 +31,7 @@
 #![deny(missing_docs)]
 
 pub mod config;
+pub mod discovery;
 pub mod events;
 pub mod proxy;
 pub mod state;
@@ -84,9 +85,23 @@ pub async fn serve(
     cfg: Config,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServerError> {
+    let statics = cfg.workers.clone();
+    let etcd = match cfg.discovery_backend {
+        config::Discovery::Static => None,
+        config::Discovery::Etcd => Some(cfg.etcd_endpoint.clone()),
+    };
     let server = Arc::new(Server::new(cfg)?);
-    for w in &server.workers {
-        tokio::spawn(events::follow(Arc::clone(&server), Arc::clone(w)));
+    for spec in statics {
+        let w = server
+            .add_worker(spec)
+            .map_err(|message| ServerError::Setting {
+                flag: "--worker",
+                message,
+            })?;
+        discovery::follow_events(&server, &w);
+    }
+    if let Some(endpoint) = etcd {
+        tokio::spawn(discovery::watch_etcd(Arc::clone(&server), endpoint));
     }
     tokio::spawn(proxy::revive(Arc::clone(&server)));
     let addr = listener

@@ -147,7 +147,7 @@ impl Drop for Finish {
 /// Routes `tokens`, forwards `body` to the winner and streams its response back. A worker that
 /// refuses the connection is marked down and the next-best one is tried.
 async fn forward(server: Arc<Server>, path: &str, body: Bytes, tokens: &[u32]) -> Response {
-    for _ in 0..server.workers.len().max(1) {
+    for _ in 0..server.workers().len().max(1) {
         let id = server.next_request_id();
         let started = Instant::now();
         let decision = server
@@ -176,7 +176,7 @@ async fn forward(server: Arc<Server>, path: &str, body: Bytes, tokens: &[u32]) -
             server: Arc::clone(&server),
             id,
         };
-        let Some(worker) = server.worker(d.worker).cloned() else {
+        let Some(worker) = server.worker(d.worker) else {
             continue;
         };
         let c = &server.counters;
@@ -260,7 +260,7 @@ const REVIVE_EVERY: std::time::Duration = std::time::Duration::from_millis(500);
 pub async fn revive(server: Arc<Server>) {
     loop {
         tokio::time::sleep(REVIVE_EVERY).await;
-        for w in &server.workers {
+        for w in &server.workers() {
             if !w.down.load(Ordering::Relaxed) {
                 continue;
             }
@@ -279,7 +279,7 @@ pub async fn revive(server: Arc<Server>) {
 
 async fn models(State(server): State<Arc<Server>>) -> Response {
     let mut seen = std::collections::BTreeMap::new();
-    for w in &server.workers {
+    for w in &server.workers() {
         let Ok(req) =
             hyper::Request::get(format!("{}/v1/models", w.spec.url)).body(Full::new(Bytes::new()))
         else {
@@ -333,8 +333,8 @@ async fn cache_view(State(server): State<Arc<Server>>, Path(name): Path<String>)
 
 async fn workers(State(server): State<Arc<Server>>) -> Response {
     let m = server.mirror();
-    let list: Vec<Value> = server
-        .workers
+    let all = server.workers();
+    let list: Vec<Value> = all
         .iter()
         .map(|w| {
             json!({

@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use bytes::Bytes;
 use http_body_util::Full;
@@ -43,6 +43,8 @@ pub struct Worker {
     pub routed: AtomicU64,
     /// Requests it failed (refused, or broke off mid-stream).
     pub upstream_errors: AtomicU64,
+    /// Its KV-event subscription, stopped when the worker is removed.
+    pub(crate) task: Mutex<Option<tokio::task::AbortHandle>>,
 }
 
 /// Server-wide counters.
@@ -76,8 +78,8 @@ pub struct Server {
     /// The settings.
     pub cfg: Config,
     mirror: Mutex<Mirror>,
-    /// Workers, by router id (the id is the position).
-    pub workers: Vec<Arc<Worker>>,
+    workers: RwLock<Vec<Arc<Worker>>>,
+    next_worker: AtomicU64,
     /// The tokenizer and chat template, when `--router-tokenizer-path` was given.
     pub text: Option<(Codec, ChatTemplate)>,
     /// Counters for `/metrics`.
@@ -89,7 +91,7 @@ pub struct Server {
 impl std::fmt::Debug for Server {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Server")
-            .field("workers", &self.workers)
+            .field("workers", &self.workers())
             .finish_non_exhaustive()
     }
 }
@@ -124,28 +126,7 @@ impl Server {
         if let Some(w) = cfg.kv_decode_overlap_weight {
             b = b.decode_overlap_weight(w);
         }
-        let mut router = b.build().map_err(setting)?;
-        let mut workers = Vec::new();
-        for (i, spec) in cfg.workers.iter().enumerate() {
-            if workers
-                .iter()
-                .any(|w: &Arc<Worker>| w.spec.name == spec.name)
-            {
-                return Err(ServerError::Setting {
-                    flag: "--worker",
-                    message: format!("worker {} is given twice", spec.name),
-                });
-            }
-            let id = WorkerId::new(i as u64);
-            router.add_worker(id);
-            workers.push(Arc::new(Worker {
-                id,
-                spec: spec.clone(),
-                down: AtomicBool::new(false),
-                routed: AtomicU64::new(0),
-                upstream_errors: AtomicU64::new(0),
-            }));
-        }
+        let router = b.build().map_err(setting)?;
         let text = match &cfg.router_tokenizer_path {
             None => None,
             Some(p) => Some(tokenize::load(p).map_err(|e| ServerError::Setting {
@@ -164,7 +145,8 @@ impl Server {
                 router,
                 ingest: VllmIngest::new(),
             }),
-            workers,
+            workers: RwLock::new(Vec::new()),
+            next_worker: AtomicU64::new(0),
             text,
             counters: Counters::default(),
             next_request: AtomicU64::new(1),
@@ -184,16 +166,55 @@ impl Server {
         kvroute::RequestId::new(self.next_request.fetch_add(1, Ordering::Relaxed))
     }
 
+    /// The workers, in the order they were added.
+    pub fn workers(&self) -> Vec<Arc<Worker>> {
+        self.workers.read().map(|w| w.clone()).unwrap_or_default()
+    }
+
     /// The worker named `name` (`host:port`).
-    pub fn worker_named(&self, name: &str) -> Option<&Arc<Worker>> {
-        self.workers.iter().find(|w| w.spec.name == name)
+    pub fn worker_named(&self, name: &str) -> Option<Arc<Worker>> {
+        self.workers().into_iter().find(|w| w.spec.name == name)
     }
 
     /// The worker with router id `id`.
-    pub fn worker(&self, id: WorkerId) -> Option<&Arc<Worker>> {
-        usize::try_from(id.get())
-            .ok()
-            .and_then(|i| self.workers.get(i))
+    pub fn worker(&self, id: WorkerId) -> Option<Arc<Worker>> {
+        self.workers().into_iter().find(|w| w.id == id)
+    }
+
+    /// Adds a worker (with a fresh router id); an error if one of that name exists.
+    pub fn add_worker(&self, spec: WorkerSpec) -> Result<Arc<Worker>, String> {
+        let mut list = self.workers.write().unwrap_or_else(|e| e.into_inner());
+        if list.iter().any(|w| w.spec.name == spec.name) {
+            return Err(format!("worker {} is given twice", spec.name));
+        }
+        let id = WorkerId::new(self.next_worker.fetch_add(1, Ordering::Relaxed));
+        self.mirror().router.add_worker(id);
+        let w = Arc::new(Worker {
+            id,
+            spec,
+            down: AtomicBool::new(false),
+            routed: AtomicU64::new(0),
+            upstream_errors: AtomicU64::new(0),
+            task: Mutex::new(None),
+        });
+        list.push(Arc::clone(&w));
+        Ok(w)
+    }
+
+    /// Removes the worker named `name`: its mirror, load and subscription. Returns it.
+    pub fn remove_worker(&self, name: &str) -> Option<Arc<Worker>> {
+        let mut list = self.workers.write().unwrap_or_else(|e| e.into_inner());
+        let at = list.iter().position(|w| w.spec.name == name)?;
+        let w = list.remove(at);
+        {
+            let mut m = self.mirror();
+            m.router.remove_worker(w.id);
+            m.ingest.forget_worker(w.id);
+        }
+        if let Some(t) = w.task.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            t.abort();
+        }
+        Some(w)
     }
 
     /// Marks a worker down (routing skips it) or up again.
@@ -265,15 +286,14 @@ impl Server {
             "Batches obtained by replay and applied.",
             get(&c.replayed_batches),
         );
+        let workers = self.workers();
         let (views, stale): (Vec<(String, usize)>, usize) = {
             let m = self.mirror();
-            let views = self
-                .workers
+            let views = workers
                 .iter()
                 .map(|w| (w.spec.name.clone(), m.router.cache_view(w.id)))
                 .collect();
-            let stale = self
-                .workers
+            let stale = workers
                 .iter()
                 .filter(|w| m.router.index().is_stale(w.id))
                 .count();
@@ -284,7 +304,7 @@ impl Server {
             "# HELP kvserver_stale_workers Workers whose mirror may have missed events.\n# TYPE kvserver_stale_workers gauge\nkvserver_stale_workers {stale}"
         );
         let _ = writeln!(out, "# HELP kvserver_requests_routed_total Requests routed, by worker.\n# TYPE kvserver_requests_routed_total counter");
-        for w in &self.workers {
+        for w in &workers {
             let _ = writeln!(
                 out,
                 "kvserver_requests_routed_total{{worker=\"{}\"}} {}",
@@ -293,7 +313,7 @@ impl Server {
             );
         }
         let _ = writeln!(out, "# HELP kvserver_upstream_errors_total Requests a worker refused or broke off, by worker.\n# TYPE kvserver_upstream_errors_total counter");
-        for w in &self.workers {
+        for w in &workers {
             let _ = writeln!(
                 out,
                 "kvserver_upstream_errors_total{{worker=\"{}\"}} {}",

@@ -77,6 +77,14 @@ struct Cli {
     /// Data-parallel rank: offsets the KV-event ports and tags the batches, as vLLM does.
     #[arg(long, value_name = "RANK")]
     data_parallel_rank: Option<u16>,
+    /// Register this engine in etcd (HOST:PORT of its client URL) under kvkit/workers/, with a
+    /// lease that lapses when the engine stops, so kvserver --discovery-backend etcd finds it.
+    #[arg(long, value_name = "HOST:PORT", help_heading = "Discovery")]
+    etcd_endpoint: Option<String>,
+    /// The host others reach this engine at, in its etcd record [default: --host, or 127.0.0.1
+    /// when --host is a wildcard].
+    #[arg(long, value_name = "HOST", help_heading = "Discovery")]
+    advertise_host: Option<String>,
 }
 
 const EXAMPLES: &str = "Examples:
@@ -179,6 +187,7 @@ fn setup(cli: &Cli) -> Result<Setup, MockError> {
 
 async fn serve(cli: Cli, s: Setup) -> Result<(), MockError> {
     let rank = cli.data_parallel_rank.map(i64::from);
+    let events_cfg = s.events.clone();
     let publisher = match &s.events {
         Some(ev) => Some(Publisher::start(ev, cli.kv_events_shape, rank).await?),
         None => None,
@@ -210,6 +219,10 @@ async fn serve(cli: Cli, s: Setup) -> Result<(), MockError> {
             .map(|e| format!(", KV events on {}", e.endpoint))
             .unwrap_or_default()
     );
+    let _registration = match &cli.etcd_endpoint {
+        Some(ep) => Some(register(&cli, &events_cfg, ep).await?),
+        None => None,
+    };
     // No Nagle delay: streamed tokens leave when they are produced.
     let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
         let _ = tcp.set_nodelay(true);
@@ -220,6 +233,47 @@ async fn serve(cli: Cli, s: Setup) -> Result<(), MockError> {
         })
         .await
         .map_err(|e| MockError::Io(e.to_string()))
+}
+
+/// Registers the engine in etcd; the returned task keeps its lease alive.
+async fn register(
+    cli: &Cli,
+    events: &Option<KvEventsConfig>,
+    etcd: &str,
+) -> Result<tokio::task::JoinHandle<()>, MockError> {
+    let host = cli.advertise_host.clone().unwrap_or_else(|| {
+        if cli.host == "0.0.0.0" || cli.host == "::" {
+            "127.0.0.1".into()
+        } else {
+            cli.host.clone()
+        }
+    });
+    let offset = cli.data_parallel_rank.unwrap_or(0);
+    // A wildcard or bound address is reached at the advertised host.
+    let reach = |ep: &str| -> Result<String, MockError> {
+        let ep = kvmock::events::endpoint_for(ep, offset)?;
+        let port = ep.rsplit(':').next().unwrap_or_default();
+        Ok(format!("tcp://{host}:{port}"))
+    };
+    let (events, replay) = match events {
+        Some(ev) => (
+            Some(reach(&ev.endpoint)?),
+            ev.replay_endpoint.as_deref().map(reach).transpose()?,
+        ),
+        None => (None, None),
+    };
+    let name = format!("{host}:{}", cli.port);
+    let record = kvmock::etcd::WorkerRecord {
+        url: format!("http://{name}"),
+        events,
+        replay,
+        block_size: cli.block_size,
+        model: Some(cli.served_model_name.clone()),
+    };
+    kvmock::etcd::Etcd::new(etcd)
+        .register(&name, &record, 3)
+        .await
+        .map_err(|e| config_err("--etcd-endpoint", e))
 }
 
 fn main() {

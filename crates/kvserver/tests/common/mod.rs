@@ -1,0 +1,186 @@
+//! Test support: `kvmock` and `kvserver` processes on free loopback ports, killed on drop, and
+//! the server's admin views. Every wait is bounded.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvtest::net::{free_port, http, try_http};
+use serde_json::Value;
+
+/// A child process killed when dropped.
+pub struct Proc(pub Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The `kvmock` binary beside this test's (built by `cargo test --workspace`), else built now.
+pub fn kvmock_bin() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().and_then(|d| d.parent()).unwrap().to_path_buf();
+    let bin = dir.join(format!("kvmock{}", std::env::consts::EXE_SUFFIX));
+    if !bin.exists() {
+        let status = Command::new(env!("CARGO"))
+            .args(["build", "-p", "kvmock", "--bin", "kvmock"])
+            .status()
+            .expect("cargo runs");
+        assert!(status.success(), "building kvmock failed");
+    }
+    bin
+}
+
+pub fn wait_healthy(port: u16, child: &mut Child, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("{what} exited early: {status}");
+        }
+        if let Ok((200, _)) = try_http(port, "GET", "/health", None) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what} did not become healthy");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+pub struct Engine {
+    pub proc: Proc,
+    pub port: u16,
+    pub events: u16,
+    pub replay: u16,
+}
+
+impl Engine {
+    pub fn start() -> Engine {
+        Engine::start_at(free_port(), free_port(), free_port())
+    }
+
+    pub fn start_at(port: u16, events: u16, replay: u16) -> Engine {
+        Engine::start_with(port, events, replay, &[])
+    }
+
+    /// An engine with extra kvmock flags.
+    pub fn start_with(port: u16, events: u16, replay: u16, extra: &[&str]) -> Engine {
+        let cfg = format!(
+            r#"{{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:{events}", "replay_endpoint": "tcp://127.0.0.1:{replay}"}}"#
+        );
+        let mut child = Command::new(kvmock_bin())
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args([
+                "--speedup",
+                "100",
+                "--enable-kv-events",
+                "--kv-events-config",
+                &cfg,
+            ])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("kvmock starts");
+        wait_healthy(port, &mut child, "kvmock");
+        Engine {
+            proc: Proc(child),
+            port,
+            events,
+            replay,
+        }
+    }
+
+    pub fn name(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    pub fn spec(&self) -> String {
+        format!(
+            "http://127.0.0.1:{},events=tcp://127.0.0.1:{},replay=tcp://127.0.0.1:{}",
+            self.port, self.events, self.replay
+        )
+    }
+}
+
+pub struct Kvserver {
+    _proc: Proc,
+    pub port: u16,
+}
+
+impl Kvserver {
+    pub fn start(engines: &[&Engine], extra: &[&str]) -> Kvserver {
+        let port = free_port();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvserver"));
+        cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()]);
+        for e in engines {
+            cmd.args(["--worker", &e.spec()]);
+        }
+        let mut child = cmd
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("kvserver starts");
+        wait_healthy(port, &mut child, "kvserver");
+        // Let the subscriptions reach the publishers (ZMQ's slow joiner).
+        std::thread::sleep(Duration::from_millis(500));
+        Kvserver {
+            _proc: Proc(child),
+            port,
+        }
+    }
+
+    pub fn post(&self, path: &str, body: &str) -> (u16, String) {
+        http(self.port, "POST", path, Some(body))
+    }
+
+    pub fn get_json(&self, path: &str) -> Value {
+        let (status, body) = http(self.port, "GET", path, None);
+        assert_eq!(status, 200, "{path}: {body}");
+        serde_json::from_str(&body).unwrap()
+    }
+
+    pub fn metric(&self, name: &str) -> f64 {
+        let (_, text) = http(self.port, "GET", "/metrics", None);
+        text.lines()
+            .find(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("metric {name} missing from:\n{text}"))
+    }
+
+    pub fn block_count(&self, worker: &str) -> u64 {
+        self.get_json(&format!("/v1/admin/cache-view/{worker}"))["block_count"]
+            .as_u64()
+            .unwrap()
+    }
+
+    /// Waits (at most 10 s) until the router's view of `worker` holds at least `n` blocks.
+    pub fn wait_blocks(&self, worker: &str, n: u64) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.block_count(worker) < n {
+            assert!(
+                Instant::now() < deadline,
+                "{worker} never showed {n} blocks"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn routed(&self) -> Vec<(String, u64)> {
+        let v = self.get_json("/v1/admin/workers");
+        v["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| {
+                (
+                    w["worker_id"].as_str().unwrap().to_string(),
+                    w["routed"].as_u64().unwrap(),
+                )
+            })
+            .collect()
+    }
+}
