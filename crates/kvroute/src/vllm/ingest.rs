@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use hashbrown::hash_map::Entry;
 use kvblock::{BlockHash, BlockHasher, BlockSize, ExtraKeys};
 use kvcache::{FixedState, KvEvent, WorkerId};
 
@@ -470,22 +471,28 @@ fn store(
     let mut fine = Vec::with_capacity(st.block_hashes.len() * factor);
     hasher.sequence_hashes_keyed_into(parent, &st.token_ids, &keys, &mut fine);
     // A group block is named by our hash of its last router block.
-    let ours: Vec<BlockHash> = fine
-        .iter()
-        .skip(factor - 1)
-        .step_by(factor)
-        .copied()
-        .collect();
-    let mut new = Vec::with_capacity(ours.len());
-    let mut pairs = Vec::with_capacity(ours.len());
-    for (e, &o) in st.block_hashes.iter().zip(&ours) {
-        let slot = (key, e.clone());
-        // The same engine block again is held once.
-        if feed.blocks.get(&slot) != Some(&o) {
-            pairs.push((slot, o));
-            if feed.hold(key, o) {
-                new.push(o);
+    let ours: Vec<BlockHash> = if factor == 1 {
+        fine
+    } else {
+        fine.into_iter().skip(factor - 1).step_by(factor).collect()
+    };
+    // Map the engine's blocks to ours now (undone below if the index refuses the event); the
+    // same engine block stored again is held once.
+    let mut mapped = Vec::new();
+    let mut new = Vec::new();
+    for (i, (e, &o)) in st.block_hashes.iter().zip(&ours).enumerate() {
+        match feed.blocks.entry((key, e.clone())) {
+            Entry::Occupied(x) if *x.get() == o => continue,
+            Entry::Occupied(mut x) => {
+                x.insert(o);
             }
+            Entry::Vacant(x) => {
+                x.insert(o);
+            }
+        }
+        mapped.push(i);
+        if feed.hold(key, o) {
+            new.push(o);
         }
     }
     let applied = match target {
@@ -501,26 +508,27 @@ fn store(
             // The index wants the event's chain unbroken: store every block, new or not.
             let ev = KvEvent::Stored {
                 parent,
-                blocks: ours.clone(),
+                blocks: ours,
             };
             apply(router, worker, feed, &ev)
         }
     };
+    if applied.is_err() {
+        for &i in &mapped {
+            if let Some(o) = feed.blocks.remove(&(key, st.block_hashes[i].clone())) {
+                feed.release(key, o);
+            }
+        }
+    }
     match applied {
         Ok(a) => {
             out.events_applied += 1;
             out.blocks_stored += a.stored;
             out.already_present += a.already_present;
-            for (slot, o) in pairs {
-                feed.blocks.insert(slot, o);
-            }
         }
         // The index no longer holds the parent: it consumed the id and marked the worker stale.
         Err(crate::Error::Index(kvcache::Error::UnknownParent { .. })) => {
             out.unknown_parents += 1;
-            for (_, o) in pairs {
-                feed.release(key, o);
-            }
         }
         Err(e) => return Err(e.into()),
     }
