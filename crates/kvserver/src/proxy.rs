@@ -225,11 +225,12 @@ fn stream_back(
     let (parts, body) = resp.into_parts();
     let stream = BodyStream::new(body).filter_map(move |frame| {
         // The guard lives as long as the stream: dropped at its end, or with the client.
-        let _held = &guard;
         let out = match frame {
             Ok(f) => f.into_data().ok().map(Ok),
             Err(e) => {
                 worker.upstream_errors.fetch_add(1, Ordering::Relaxed);
+                // It broke off mid-stream: skip it until its /health answers again.
+                guard.server.set_down(&worker, true);
                 Some(Err(std::io::Error::other(format!(
                     "worker {} broke off the response: {e}",
                     worker.spec.name

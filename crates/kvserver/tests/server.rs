@@ -209,3 +209,40 @@ fn bad_flags_exit_2_naming_the_flag() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--block-size"));
 }
+
+#[test]
+fn an_engine_killed_mid_stream_ends_the_response_and_releases_the_load() {
+    let port = free_port();
+    let (events, replay) = (free_port(), free_port());
+    let mut a = Engine::start_with(port, events, replay, &["--speedup", "1"]);
+    let server = Kvserver::start(&[&a], &[]);
+    let body = serde_json::json!({"prompt": [1, 2, 3, 4], "max_tokens": 5000, "stream": true,
+                                  "ignore_eos": true})
+    .to_string();
+    let sport = server.port;
+    let client = std::thread::spawn(move || http(sport, "POST", "/v1/completions", Some(&body)));
+    // Wait until the stream is under way, then kill the engine.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while server.get_json("/v1/admin/workers")["workers"][0]["in_flight"] != 1 {
+        assert!(Instant::now() < deadline, "the request never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let _ = a.proc.0.kill();
+    let _ = a.proc.0.wait();
+    let (status, text) = client.join().unwrap();
+    assert_eq!(status, 200);
+    assert!(text.contains("data: "), "some tokens arrived first: {text}");
+    assert!(
+        !text.contains("[DONE]"),
+        "the stream cannot have finished: {text}"
+    );
+    let w = &server.get_json("/v1/admin/workers")["workers"][0];
+    assert_eq!(
+        (w["in_flight"].as_u64(), w["state"].as_str()),
+        (Some(0), Some("down")),
+        "{w}"
+    );
+    let (status, _) = server.post("/v1/completions", &completion(&[1, 2], false));
+    assert_eq!(status, 503);
+}

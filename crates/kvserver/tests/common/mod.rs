@@ -71,13 +71,13 @@ impl Engine {
         );
         let mut child = Command::new(kvmock_bin())
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .args([
-                "--speedup",
-                "100",
-                "--enable-kv-events",
-                "--kv-events-config",
-                &cfg,
-            ])
+            .args(["--enable-kv-events", "--kv-events-config", &cfg])
+            // Fast unless the caller chose a speed-up.
+            .args(if extra.contains(&"--speedup") {
+                &[][..]
+            } else {
+                &["--speedup", "100"][..]
+            })
             .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
