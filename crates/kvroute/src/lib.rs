@@ -47,6 +47,7 @@
 //! | feature | default | what it adds | what it costs |
 //! |---|---|---|---|
 //! | `vllm` | off | the `kvroute::vllm` module: decodes vLLM's (and SGLang's) MessagePack KV-event batches and applies them to a [`Router`] (engine block hashes mapped to ours, sequence numbers checked) | the `rmpv` crate (MessagePack values) |
+//! | `serde` | off | `Serialize`/`Deserialize` for [`LoadDelta`] (and `kvblock/serde`, `kvcache/serde`) | the `serde` crate |
 //!
 //! Always needed: `kvcache` (and `kvblock`), `hashbrown`, `xxhash-rust` (the consistent-hash
 //! ring), `rand_core` and `rand_xoshiro` (seeded tie-breaking) and `thiserror`. No async
@@ -59,6 +60,7 @@
 )]
 
 mod groups;
+mod replicas;
 mod ring;
 mod router;
 #[cfg(feature = "vllm")]
@@ -71,6 +73,7 @@ pub use groups::{CacheGroup, GroupRule};
 pub use kvblock::{BlockHash, BlockSize};
 pub use kvblock::{ExtraKeys, MultimodalSpan};
 pub use kvcache::{KvEvent, WorkerId};
+pub use replicas::{LoadChange, LoadDelta};
 pub use router::{Candidate, Decision, Router, RouterBuilder};
 
 /// A request's identity while it is in flight: chosen by the caller, unique among the requests
@@ -83,6 +86,8 @@ pub use router::{Candidate, Decision, Router, RouterBuilder};
 /// assert_eq!(RequestId::from(7), id);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(transparent))]
 pub struct RequestId(u64);
 
 impl RequestId {

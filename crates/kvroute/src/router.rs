@@ -1,5 +1,7 @@
 //! The `Router` facade: cache index, load tracking and policies behind one call.
 
+use std::time::Duration;
+
 use hashbrown::hash_map::Entry;
 use kvblock::{BlockHash, BlockHasher, BlockSize, ExtraKeys};
 use kvcache::{Applied, CacheIndex, FixedState, IndexSnapshot, KvEvent, Overlaps, WorkerId};
@@ -8,7 +10,7 @@ use rand_xoshiro::Xoshiro256PlusPlus;
 
 use crate::groups::Groups;
 use crate::ring::Ring;
-use crate::{cost, CacheGroup, Error, Policy, RequestId, Role, Salt};
+use crate::{cost, CacheGroup, Error, LoadChange, LoadDelta, Policy, RequestId, Role, Salt};
 
 type Map<K, V> = hashbrown::HashMap<K, V, FixedState>;
 
@@ -56,6 +58,8 @@ pub struct RouterBuilder {
     seed: u64,
     prefix_blocks: usize,
     virtual_nodes: usize,
+    replica: Option<u64>,
+    remote_ttl: std::time::Duration,
 }
 
 impl Default for RouterBuilder {
@@ -69,6 +73,8 @@ impl Default for RouterBuilder {
             seed: 0,
             prefix_blocks: 1,
             virtual_nodes: 128,
+            replica: None,
+            remote_ttl: std::time::Duration::from_secs(600),
         }
     }
 }
@@ -122,6 +128,23 @@ impl RouterBuilder {
         self
     }
 
+    /// Makes the router replica `id` of several that share their in-flight load: every route
+    /// and finish is queued as a [`LoadDelta`] for [`drain_load_deltas`](Router::drain_load_deltas),
+    /// to be sent to the other replicas, which apply it with
+    /// [`apply_load_delta`](Router::apply_load_delta).
+    pub fn replica(mut self, id: u64) -> Self {
+        self.replica = Some(id);
+        self
+    }
+
+    /// How long another replica's request counts as in flight without its `Finished` delta
+    /// (lost deltas, a replica that died), and how long a finished one is remembered against
+    /// duplicates and late deltas. Default 600 s.
+    pub fn remote_load_ttl(mut self, ttl: std::time::Duration) -> Self {
+        self.remote_ttl = ttl;
+        self
+    }
+
     /// Validates the settings and builds the router.
     pub fn build(self) -> Result<Router, Error> {
         let check = |name, w: f64| {
@@ -169,6 +192,10 @@ impl RouterBuilder {
             overlaps: Overlaps::new(),
             scratch: Vec::new(),
             groups: Groups::default(),
+            remote: Map::default(),
+            tombstones: Map::default(),
+            outbox: Vec::new(),
+            next_delta: 0,
         })
     }
 }
@@ -232,6 +259,41 @@ pub struct Router {
     scratch: Vec<BlockHash>,
     /// Cache groups beyond the index's (hybrid models); empty for most fleets.
     groups: Groups,
+    /// Other replicas' requests in flight, by (replica, request).
+    remote: Map<(u64, RequestId), Remote>,
+    /// Other replicas' requests seen finished, until the time given: their `Routed` never counts.
+    tombstones: Map<(u64, RequestId), Duration>,
+    /// This replica's deltas not yet drained.
+    outbox: Vec<LoadDelta>,
+    next_delta: u64,
+}
+
+/// Another replica's request in flight on one of our workers.
+#[derive(Debug, Clone)]
+struct Remote {
+    slot: usize,
+    generation: u64,
+    blocks: Vec<BlockHash>,
+    expires: Duration,
+}
+
+impl Load {
+    fn add(&mut self, blocks: &[BlockHash]) {
+        for &b in blocks {
+            *self.blocks.entry(b).or_insert(0) += 1;
+        }
+    }
+
+    fn release(&mut self, blocks: &[BlockHash]) {
+        for b in blocks {
+            if let Entry::Occupied(mut e) = self.blocks.entry(*b) {
+                *e.get_mut() -= 1;
+                if *e.get() == 0 {
+                    e.remove();
+                }
+            }
+        }
+    }
 }
 
 impl Router {
@@ -566,9 +628,7 @@ impl Router {
         let (worker, generation, active) = {
             let load = self.slots[chosen].as_mut().ok_or(Error::NoWorkers)?;
             let active = load.blocks.len();
-            for &b in blocks {
-                *load.blocks.entry(b).or_insert(0) += 1;
-            }
+            load.add(blocks);
             load.requests += 1;
             self.active[chosen] = load.blocks.len();
             (load.id, load.generation, active)
@@ -583,6 +643,13 @@ impl Router {
                 blocks: kept,
             },
         );
+        if self.config.replica.is_some() {
+            self.share(LoadChange::Routed {
+                request: request_id,
+                worker,
+                blocks: blocks.to_vec(),
+            });
+        }
         Ok(Decision {
             worker,
             cache_hits: hits,
@@ -695,14 +762,7 @@ impl Router {
             .ok_or(Error::UnknownRequest { request_id })?;
         if let Some(load) = self.slots.get_mut(req.slot).and_then(Option::as_mut) {
             if load.generation == req.generation {
-                for b in &req.blocks {
-                    if let Entry::Occupied(mut e) = load.blocks.entry(*b) {
-                        *e.get_mut() -= 1;
-                        if *e.get() == 0 {
-                            e.remove();
-                        }
-                    }
-                }
+                load.release(&req.blocks);
                 load.requests -= 1;
                 self.active[req.slot] = load.blocks.len();
             }
@@ -711,7 +771,142 @@ impl Router {
             req.blocks.clear();
             self.spare.push(req.blocks);
         }
+        self.share(LoadChange::Finished {
+            request: request_id,
+        });
         Ok(())
+    }
+
+    /// Queues a delta of this replica's, when it shares its load.
+    fn share(&mut self, change: LoadChange) {
+        if let Some(replica) = self.config.replica {
+            self.outbox
+                .push(LoadDelta::new(replica, self.next_delta, change));
+            self.next_delta += 1;
+        }
+    }
+
+    /// This replica's load deltas since the last call, in order, to send to the other replicas
+    /// (empty unless built with [`RouterBuilder::replica`]).
+    pub fn drain_load_deltas(&mut self) -> Vec<LoadDelta> {
+        std::mem::take(&mut self.outbox)
+    }
+
+    /// Applies another replica's load delta to this router's load view, at time `now` (any
+    /// monotonic clock the replica uses for [`expire_remote_load`](Self::expire_remote_load)).
+    /// Idempotent: a delta seen twice counts once, a `Finished` that arrives before its
+    /// `Routed` cancels it, and this replica's own deltas are ignored. A route to a worker this
+    /// router does not know is ignored. Returns whether the load changed.
+    ///
+    /// ```
+    /// use kvblock::BlockHash;
+    /// use kvroute::{RequestId, Role, Router, WorkerId};
+    /// let w = WorkerId::new(0);
+    /// let mut a = Router::builder().replica(1).build()?;
+    /// let mut b = Router::builder().replica(2).build()?;
+    /// a.add_worker(w);
+    /// b.add_worker(w);
+    /// let blocks = [BlockHash::new(1), BlockHash::new(2)];
+    /// a.route(RequestId::new(7), &blocks, Role::Unified)?;
+    /// let now = std::time::Duration::ZERO;
+    /// for d in a.drain_load_deltas() {
+    ///     assert!(b.apply_load_delta(&d, now));
+    ///     assert!(!b.apply_load_delta(&d, now)); // a duplicate
+    /// }
+    /// assert_eq!(b.active_blocks(w), 2);
+    /// a.finish(RequestId::new(7))?;
+    /// for d in a.drain_load_deltas() {
+    ///     b.apply_load_delta(&d, now);
+    /// }
+    /// assert_eq!(b.active_blocks(w), 0);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn apply_load_delta(&mut self, delta: &LoadDelta, now: Duration) -> bool {
+        if Some(delta.replica) == self.config.replica {
+            return false;
+        }
+        let ttl = self.config.remote_ttl;
+        match &delta.change {
+            LoadChange::Routed {
+                request,
+                worker,
+                blocks,
+            } => {
+                let key = (delta.replica, *request);
+                if self.remote.contains_key(&key) || self.tombstones.contains_key(&key) {
+                    return false;
+                }
+                let Some(i) = self
+                    .index
+                    .worker_index(*worker)
+                    .filter(|&i| self.is_member(i))
+                else {
+                    return false;
+                };
+                let Some(load) = self.slots[i].as_mut() else {
+                    return false;
+                };
+                load.add(blocks);
+                self.active[i] = load.blocks.len();
+                let generation = load.generation;
+                self.remote.insert(
+                    key,
+                    Remote {
+                        slot: i,
+                        generation,
+                        blocks: blocks.clone(),
+                        expires: now.saturating_add(ttl),
+                    },
+                );
+                true
+            }
+            LoadChange::Finished { request } => {
+                let key = (delta.replica, *request);
+                // Remembered, so that a late or repeated `Routed` never counts it again.
+                self.tombstones.insert(key, now.saturating_add(ttl));
+                match self.remote.remove(&key) {
+                    Some(r) => self.release_remote(&r),
+                    None => false,
+                }
+            }
+        }
+    }
+
+    fn release_remote(&mut self, r: &Remote) -> bool {
+        match self.slots.get_mut(r.slot).and_then(Option::as_mut) {
+            Some(load) if load.generation == r.generation => {
+                load.release(&r.blocks);
+                self.active[r.slot] = load.blocks.len();
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Drops other replicas' requests whose time to live ended by `now` (their `Finished` was
+    /// lost, or the replica died), and forgets finished ones as old (a `Routed` delayed longer
+    /// than the time to live would count again). Call it now and then: until then every remote
+    /// request seen finished takes a few dozen bytes. Returns how many
+    /// requests were dropped.
+    pub fn expire_remote_load(&mut self, now: Duration) -> usize {
+        let gone: Vec<(u64, RequestId)> = self
+            .remote
+            .iter()
+            .filter(|(_, r)| r.expires <= now)
+            .map(|(k, _)| *k)
+            .collect();
+        for k in &gone {
+            if let Some(r) = self.remote.remove(k) {
+                self.release_remote(&r);
+            }
+        }
+        self.tombstones.retain(|_, t| *t > now);
+        gone.len()
+    }
+
+    /// Other replicas' requests counted in this router's load.
+    pub fn remote_in_flight(&self) -> usize {
+        self.remote.len()
     }
 
     /// Every worker's hits, load and cost for a request, in worker-id order, without routing it.
