@@ -19,9 +19,19 @@ struct Slot {
     pins: u32,
     /// Resident children with `pins > 0`.
     pinned_children: u32,
+    /// A resident child (the last one a chain walk went to), or NIL: walking a chain tries it
+    /// before hashing.
+    hint: u32,
     prev: u32,
     next: u32,
 }
+
+/// A resident block's place in a [`BlockCache`], as [`pin_into`](BlockCache::pin_into) and
+/// [`insert_into`](BlockCache::insert_into) hand it out: a handle that finds the block again
+/// without hashing. It names that block while the block stays resident, which a pinned block
+/// always does; after an eviction it may name another block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SlotId(u32);
 
 /// Counters of a [`BlockCache`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -157,10 +167,34 @@ impl BlockCache {
     /// The longest leading run of `chain` that is resident. Changes nothing, counts nothing.
     #[inline]
     pub fn match_len(&self, chain: &[BlockHash]) -> usize {
-        chain
-            .iter()
-            .take_while(|h| self.map.contains_key(*h))
-            .count()
+        let mut prev = NIL;
+        for (i, h) in chain.iter().enumerate() {
+            match self.find(prev, h) {
+                Some(s) => prev = s,
+                None => return i,
+            }
+        }
+        chain.len()
+    }
+
+    /// The slot of block `h`, trying first the hinted child of `prev` (a slot, or NIL).
+    #[inline]
+    fn find(&self, prev: u32, h: &BlockHash) -> Option<u32> {
+        if prev != NIL {
+            let c = self.slots[prev as usize].hint;
+            if c != NIL && self.slots[c as usize].hash == *h {
+                return Some(c);
+            }
+        }
+        self.map.get(h).copied()
+    }
+
+    /// Remembers that a chain walk went from `prev` (a slot, or NIL) to its child `s`.
+    #[inline]
+    fn set_hint(&mut self, prev: u32, s: u32) {
+        if prev != NIL && self.slots[s as usize].parent == prev {
+            self.slots[prev as usize].hint = s;
+        }
     }
 
     /// [`match_len`](Self::match_len), counted in the stats as a lookup.
@@ -183,7 +217,7 @@ impl BlockCache {
         slots.clear();
         let mut last = NIL;
         for (i, h) in chain.iter().enumerate() {
-            let Some(&s) = self.map.get(h) else { break };
+            let Some(s) = self.find(last, h) else { break };
             if self.slots[s as usize].parent != last {
                 self.scratch = slots;
                 return Err(Error::InconsistentChain {
@@ -256,6 +290,7 @@ impl BlockCache {
                 children: u32::from(j + 1 < new.len()),
                 pins: 0,
                 pinned_children: 0,
+                hint: NIL,
                 prev: NIL,
                 next: NIL,
             };
@@ -271,6 +306,9 @@ impl BlockCache {
             };
             if let Some(v) = self.map.get_mut(&h) {
                 *v = s;
+            }
+            if parent != NIL {
+                self.slots[parent as usize].hint = s;
             }
             slots.push(s);
             parent = s;
@@ -295,9 +333,10 @@ impl BlockCache {
         let mut prev = None;
         let mut n = 0;
         for h in chain {
-            match self.map.get(h) {
-                Some(&s) if prev.is_none_or(|p| self.slots[s as usize].parent == p) => {
+            match self.find(prev.unwrap_or(NIL), h) {
+                Some(s) if prev.is_none_or(|p| self.slots[s as usize].parent == p) => {
                     self.pin_slot(s);
+                    self.set_hint(prev.unwrap_or(NIL), s);
                     prev = Some(s);
                     n += 1;
                 }
@@ -315,8 +354,8 @@ impl BlockCache {
         scratch.clear();
         let mut prev = None;
         for h in chain {
-            match self.map.get(h) {
-                Some(&s)
+            match self.find(prev.unwrap_or(NIL), h) {
+                Some(s)
                     if self.slots[s as usize].pins > 0
                         && prev.is_none_or(|p| self.slots[s as usize].parent == p) =>
                 {
@@ -332,6 +371,61 @@ impl BlockCache {
         }
         let n = scratch.len();
         self.scratch = scratch;
+        n
+    }
+
+    /// [`pin`](Self::pin), also appending the pinned blocks' slots to `out`, in chain order.
+    pub fn pin_into(&mut self, chain: &[BlockHash], out: &mut Vec<SlotId>) -> usize {
+        let mut prev = None;
+        let mut n = 0;
+        for h in chain {
+            match self.find(prev.unwrap_or(NIL), h) {
+                Some(s) if prev.is_none_or(|p| self.slots[s as usize].parent == p) => {
+                    self.pin_slot(s);
+                    self.set_hint(prev.unwrap_or(NIL), s);
+                    out.push(SlotId(s));
+                    prev = Some(s);
+                    n += 1;
+                }
+                _ => break,
+            }
+        }
+        n
+    }
+
+    /// [`insert`](Self::insert), also appending, when it succeeds, the slots of the whole
+    /// chain (its resident run and the blocks stored) to `out`, in chain order.
+    pub fn insert_into(
+        &mut self,
+        chain: &[BlockHash],
+        out: &mut Vec<SlotId>,
+    ) -> Result<usize, Error> {
+        let stored = self.insert(chain)?;
+        // `insert` leaves the chain's slots in the scratch buffer.
+        out.extend(self.scratch.iter().map(|&s| SlotId(s)));
+        Ok(stored)
+    }
+
+    /// Pins the blocks of `slots`, in order, as [`pin`](Self::pin) pins a chain: each must be
+    /// resident (a slot handed out for a block still pinned, or just stored), and each after
+    /// the first the child of the one before.
+    pub fn pin_slots(&mut self, slots: &[SlotId]) {
+        for &SlotId(s) in slots {
+            self.pin_slot(s);
+        }
+    }
+
+    /// Releases one pin from each block of `slots` that is pinned, tail first, as
+    /// [`unpin`](Self::unpin) releases a chain whose blocks are these. Returns how many were
+    /// released.
+    pub fn unpin_slots(&mut self, slots: &[SlotId]) -> usize {
+        let mut n = 0;
+        for &SlotId(s) in slots.iter().rev() {
+            if self.slots.get(s as usize).is_some_and(|slot| slot.pins > 0) {
+                self.unpin_slot(s);
+                n += 1;
+            }
+        }
         n
     }
 
@@ -456,11 +550,18 @@ impl BlockCache {
             let slot = &self.slots[s as usize];
             let (hash, parent) = (slot.hash, slot.parent);
             if parent != NIL {
-                self.slots[parent as usize].children -= 1;
+                let p = &mut self.slots[parent as usize];
+                p.children -= 1;
+                if p.hint == s {
+                    p.hint = NIL;
+                }
             }
-            self.map.remove(&hash);
             self.free.push(s);
             removed.push(hash);
+        }
+        // Apart, so that the removals' (cold) hash-table probes can overlap.
+        for hash in &removed {
+            self.map.remove(hash);
         }
         self.stats.evictions += removed.len() as u64;
         self.events.push(KvEvent::Removed { blocks: removed });
@@ -617,6 +718,13 @@ impl BlockCache {
         let mut broken = 0;
         for s in (0..n).filter(|&s| resident[s]) {
             let slot = &self.slots[s];
+            let h = slot.hint;
+            if h != NIL
+                && (!resident.get(h as usize).copied().unwrap_or(false)
+                    || self.slots[h as usize].parent != s as u32)
+            {
+                return Err(format!("the hint of {} is not a resident child", slot.hash));
+            }
             if slot.children != children[s] || slot.pinned_children != pinned_children[s] {
                 return Err(format!("child counts of {} are wrong", slot.hash));
             }
@@ -646,5 +754,107 @@ impl BlockCache {
             return Err("list does not hold exactly the unpinned blocks".into());
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// A request's prompt: a path in a small tree of blocks, so prompts share prefixes.
+    fn chain(path: &[u8]) -> Vec<BlockHash> {
+        let mut h = 0u64;
+        path.iter()
+            .map(|&b| {
+                h = h.wrapping_mul(31).wrapping_add(u64::from(b) + 1);
+                BlockHash::new(h)
+            })
+            .collect()
+    }
+
+    /// A running prompt: its cached run's length, whether stored, its slots, whether its
+    /// store failed (pins released by chain).
+    type Held = (usize, bool, Vec<SlotId>, bool);
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Admit(usize),
+        Store(usize),
+        Release(usize),
+        Capacity(Option<usize>),
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+        /// Pinning, storing and releasing through slots does exactly what the chain calls do,
+        /// used the way an engine uses them: pin the cached run, store the prompt and pin the
+        /// rest, release it all.
+        #[test]
+        fn slot_calls_equal_chain_calls(
+            prompts in prop::collection::vec(prop::collection::vec(0u8..3, 1..6), 1..8),
+            ops in prop::collection::vec(prop_oneof![
+                (0usize..8).prop_map(Op::Admit),
+                (0usize..8).prop_map(Op::Store),
+                (0usize..8).prop_map(Op::Release),
+                prop::option::of(0usize..12).prop_map(Op::Capacity),
+            ], 1..60),
+            cap in prop::option::of(0usize..12),
+        ) {
+            let chains: Vec<Vec<BlockHash>> = prompts.iter().map(|p| chain(p)).collect();
+            let (mut a, mut b) = (BlockCache::new(cap), BlockCache::new(cap));
+            // Per prompt: None (idle) or Some((hits, stored, slots, by chain)).
+            let mut state: Vec<Option<Held>> = vec![None; chains.len()];
+            for op in ops {
+                match op {
+                    Op::Admit(i) | Op::Store(i) | Op::Release(i) if i >= chains.len() => {}
+                    Op::Admit(i) => {
+                        if state[i].is_none() {
+                            let mut held = Vec::new();
+                            let h = a.pin(&chains[i]);
+                            prop_assert_eq!(b.pin_into(&chains[i], &mut held), h);
+                            state[i] = Some((h, false, held, false));
+                        }
+                    }
+                    Op::Store(i) => {
+                        if let Some((h, stored @ false, held, by_chain)) = state[i].as_mut() {
+                            *stored = true;
+                            let ra = a.insert(&chains[i]);
+                            a.pin(&chains[i][*h..]);
+                            let mut all = Vec::new();
+                            let rb = b.insert_into(&chains[i], &mut all);
+                            prop_assert_eq!(ra.is_ok(), rb.is_ok());
+                            if rb.is_ok() {
+                                b.pin_slots(&all[*h..]);
+                                *held = all;
+                            } else {
+                                b.pin(&chains[i][*h..]);
+                                *by_chain = true;
+                            }
+                        }
+                    }
+                    Op::Release(i) => {
+                        if let Some((h, stored, held, by_chain)) = state[i].take() {
+                            if stored {
+                                let n = a.unpin(&chains[i]);
+                                let m = if by_chain { b.unpin(&chains[i]) } else { b.unpin_slots(&held) };
+                                prop_assert_eq!(n, m);
+                            } else {
+                                a.unpin(&chains[i][..h]);
+                                b.unpin_slots(&held);
+                            }
+                        }
+                    }
+                    Op::Capacity(c) => {
+                        prop_assert_eq!(a.set_capacity(c).is_ok(), b.set_capacity(c).is_ok());
+                    }
+                }
+                prop_assert_eq!(a.drain_events().collect::<Vec<_>>(), b.drain_events().collect::<Vec<_>>());
+                prop_assert_eq!(a.recency_order(), b.recency_order());
+                prop_assert_eq!(a.pinned_blocks(), b.pinned_blocks());
+                prop_assert_eq!(a.len(), b.len());
+                b.check_invariants().map_err(TestCaseError::fail)?;
+            }
+        }
     }
 }
