@@ -6,6 +6,9 @@ use crate::hasher::Map;
 use crate::{Error, KvEvent};
 
 const NIL: u32 = u32::MAX;
+/// The `parent` of a free slot (no slot has this index: see [`MAX_BLOCKS`]), so that a stale
+/// [`SlotId`] is recognised.
+const FREE: u32 = u32::MAX - 1;
 /// Slots are numbered with `u32`; an unbounded cache is bounded by that.
 const MAX_BLOCKS: usize = (u32::MAX - 1) as usize;
 
@@ -350,11 +353,23 @@ impl BlockCache {
     /// as [`pin`](Self::pin) follows it, and pinned; a block whose last pin goes counts as used
     /// now. Returns how many were released.
     pub fn unpin(&mut self, chain: &[BlockHash]) -> usize {
+        self.unpin_walk(chain, &[])
+    }
+
+    /// [`unpin`](Self::unpin), trying `slots[i]` (where given) as `chain[i]`'s place before
+    /// hashing: a slot is taken only when it holds that very block, pinned, so the result is
+    /// always exactly `unpin(chain)`'s.
+    fn unpin_walk(&mut self, chain: &[BlockHash], slots: &[SlotId]) -> usize {
         let mut scratch = std::mem::take(&mut self.scratch);
         scratch.clear();
         let mut prev = None;
-        for h in chain {
-            match self.find(prev.unwrap_or(NIL), h) {
+        for (i, h) in chain.iter().enumerate() {
+            let known = slots.get(i).map(|&SlotId(c)| c).filter(|&c| {
+                self.slots
+                    .get(c as usize)
+                    .is_some_and(|x| x.pins > 0 && x.parent != FREE && x.hash == *h)
+            });
+            match known.or_else(|| self.find(prev.unwrap_or(NIL), h)) {
                 Some(s)
                     if self.slots[s as usize].pins > 0
                         && prev.is_none_or(|p| self.slots[s as usize].parent == p) =>
@@ -406,27 +421,24 @@ impl BlockCache {
         Ok(stored)
     }
 
-    /// Pins the blocks of `slots`, in order, as [`pin`](Self::pin) pins a chain: each must be
+    /// Pins the blocks of `slots`, in order, as [`pin`](Self::pin) pins a chain: each should be
     /// resident (a slot handed out for a block still pinned, or just stored), and each after
-    /// the first the child of the one before.
+    /// the first the child of the one before. A slot that holds no block is skipped.
     pub fn pin_slots(&mut self, slots: &[SlotId]) {
         for &SlotId(s) in slots {
-            self.pin_slot(s);
+            if self.slots.get(s as usize).is_some_and(|x| x.parent != FREE) {
+                self.pin_slot(s);
+            }
         }
     }
 
-    /// Releases one pin from each block of `slots` that is pinned, tail first, as
-    /// [`unpin`](Self::unpin) releases a chain whose blocks are these. Returns how many were
-    /// released.
-    pub fn unpin_slots(&mut self, slots: &[SlotId]) -> usize {
-        let mut n = 0;
-        for &SlotId(s) in slots.iter().rev() {
-            if self.slots.get(s as usize).is_some_and(|slot| slot.pins > 0) {
-                self.unpin_slot(s);
-                n += 1;
-            }
-        }
-        n
+    /// Exactly [`unpin`](Self::unpin)`(chain)`, finding `chain[i]` through `slots[i]` (as
+    /// [`pin_into`](Self::pin_into) or [`insert_into`](Self::insert_into) handed them out for
+    /// this chain) without hashing while that slot still holds the block, pinned. `slots` may
+    /// be shorter than `chain` (the rest is found by hash) or stale (checked, then hashed).
+    /// Returns how many pins were released.
+    pub fn unpin_slots(&mut self, chain: &[BlockHash], slots: &[SlotId]) -> usize {
+        self.unpin_walk(chain, slots)
     }
 
     /// Changes the capacity in blocks (`None`: unbounded; 0 holds nothing), evicting down to it.
@@ -556,6 +568,7 @@ impl BlockCache {
                     p.hint = NIL;
                 }
             }
+            self.slots[s as usize].parent = FREE;
             self.free.push(s);
             removed.push(hash);
         }
@@ -689,6 +702,10 @@ impl BlockCache {
             if resident[f as usize] {
                 return Err(format!("slot {f} is both free and resident"));
             }
+            let slot = &self.slots[f as usize];
+            if slot.parent != FREE || slot.pins > 0 {
+                return Err(format!("free slot {f} is not marked free"));
+            }
         }
         if self.map.len() + self.free.len() != n {
             return Err("slots leak".into());
@@ -773,9 +790,9 @@ mod tests {
             .collect()
     }
 
-    /// A running prompt: its cached run's length, whether stored, its slots, whether its
-    /// store failed (pins released by chain).
-    type Held = (usize, bool, Vec<SlotId>, bool);
+    /// A running prompt: its cached run's length at admission, whether its store ran, and the
+    /// slots it holds (its cached run; the whole prompt once stored; none after a refused store).
+    type Held = (usize, bool, Vec<SlotId>);
 
     #[derive(Debug, Clone)]
     enum Op {
@@ -783,6 +800,130 @@ mod tests {
         Store(usize),
         Release(usize),
         Capacity(Option<usize>),
+    }
+
+    /// Drives two caches the way an engine does: `a` with chain calls only (pin the cached run,
+    /// store the prompt and pin the rest, release the whole chain), `b` with the slot calls
+    /// (`pin_into`, `insert_into` and `pin_slots`, `unpin_slots`). Every result, event, the
+    /// recency order and the counters must agree, and both caches' invariants hold, after
+    /// every step.
+    fn slots_match_chains(
+        prompts: &[Vec<u8>],
+        ops: &[Op],
+        cap: Option<usize>,
+    ) -> Result<(), TestCaseError> {
+        let chains: Vec<Vec<BlockHash>> = prompts.iter().map(|p| chain(p)).collect();
+        let (mut a, mut b) = (BlockCache::new(cap), BlockCache::new(cap));
+        let mut state: Vec<Option<Held>> = vec![None; chains.len()];
+        for op in ops {
+            match *op {
+                Op::Admit(i) | Op::Store(i) | Op::Release(i) if i >= chains.len() => {}
+                Op::Admit(i) => {
+                    if state[i].is_none() {
+                        let mut held = Vec::new();
+                        let h = a.pin(&chains[i]);
+                        prop_assert_eq!(b.pin_into(&chains[i], &mut held), h);
+                        prop_assert_eq!(held.len(), h);
+                        state[i] = Some((h, false, held));
+                    }
+                }
+                Op::Store(i) => {
+                    if let Some((h, stored @ false, held)) = state[i].as_mut() {
+                        *stored = true;
+                        let ra = a.insert(&chains[i]);
+                        let pa = a.pin(&chains[i][*h..]);
+                        let mut all = Vec::new();
+                        let rb = b.insert_into(&chains[i], &mut all);
+                        prop_assert_eq!(&ra, &rb);
+                        if rb.is_ok() {
+                            prop_assert_eq!(all.len(), chains[i].len());
+                            b.pin_slots(&all[*h..]);
+                            prop_assert_eq!(pa, all.len() - *h);
+                            *held = all;
+                        } else {
+                            // A refused store pins by hash whatever is resident; the release
+                            // then goes by the chain alone.
+                            prop_assert_eq!(b.pin(&chains[i][*h..]), pa);
+                            held.clear();
+                        }
+                    }
+                }
+                Op::Release(i) => {
+                    if let Some((h, stored, held)) = state[i].take() {
+                        let run = if stored {
+                            &chains[i][..]
+                        } else {
+                            &chains[i][..h]
+                        };
+                        let n = a.unpin(run);
+                        prop_assert_eq!(b.unpin_slots(run, &held), n);
+                    }
+                }
+                Op::Capacity(c) => {
+                    prop_assert_eq!(a.set_capacity(c), b.set_capacity(c));
+                }
+            }
+            prop_assert_eq!(
+                a.drain_events().collect::<Vec<_>>(),
+                b.drain_events().collect::<Vec<_>>()
+            );
+            prop_assert_eq!(a.recency_order(), b.recency_order());
+            prop_assert_eq!(a.pinned_blocks(), b.pinned_blocks());
+            prop_assert_eq!(a.len(), b.len());
+            prop_assert_eq!(a.stats(), b.stats());
+            a.check_invariants().map_err(TestCaseError::fail)?;
+            b.check_invariants().map_err(TestCaseError::fail)?;
+        }
+        Ok(())
+    }
+
+    /// The case CI's proptest shrank to: a store refused (capacity 0) leaves its prompt to be
+    /// released by the chain, which takes a pin that another prompt sharing its first block
+    /// holds; that prompt's release must then do what the chain call does (stop at the block
+    /// that lost its pin), not skip that block and release the rest.
+    #[test]
+    fn refused_store_then_shared_prefix_release() {
+        use Op::*;
+        let prompts = [vec![0], vec![1, 0], vec![0], vec![0], vec![1, 1]];
+        let ops = [
+            Admit(1),
+            Capacity(Some(0)),
+            Store(1),
+            Admit(4),
+            Capacity(None),
+            Store(4),
+            Release(1),
+            Release(4),
+        ];
+        slots_match_chains(&prompts, &ops, None).unwrap();
+        // And the same with the slot calls alone: the released counts are the chain calls'.
+        let (p, q) = (chain(&[1, 0]), chain(&[1, 1]));
+        let mut c = BlockCache::new(Some(0));
+        assert_eq!(c.pin_into(&p, &mut Vec::new()), 0);
+        assert!(c.insert_into(&p, &mut Vec::new()).is_err());
+        c.set_capacity(None).unwrap();
+        let mut held = Vec::new();
+        assert_eq!(c.insert_into(&q, &mut held), Ok(2));
+        c.pin_slots(&held);
+        assert_eq!(c.unpin(&p), 1); // the refused prompt's release takes q's pin on block 1
+        assert_eq!(c.unpin_slots(&q, &held), 0); // as `unpin(&q)`: block 1 is no longer pinned
+        assert_eq!(c.pin_count(q[1]), 1);
+        c.check_invariants().unwrap();
+    }
+
+    /// A slot that was freed and reused for another block is not taken for the old one.
+    #[test]
+    fn stale_slots_are_checked() {
+        let (p, q) = (chain(&[0]), chain(&[1]));
+        let mut c = BlockCache::new(Some(1));
+        let mut held = Vec::new();
+        c.insert_into(&p, &mut held).unwrap();
+        c.insert(&q).unwrap(); // evicts p; its slot now holds q
+        c.pin(&q);
+        assert_eq!(c.unpin_slots(&p, &held), 0);
+        assert_eq!(c.pin_count(q[0]), 1);
+        c.pin_slots(&[SlotId(7)]); // no such slot: skipped
+        c.check_invariants().unwrap();
     }
 
     proptest! {
@@ -801,60 +942,7 @@ mod tests {
             ], 1..60),
             cap in prop::option::of(0usize..12),
         ) {
-            let chains: Vec<Vec<BlockHash>> = prompts.iter().map(|p| chain(p)).collect();
-            let (mut a, mut b) = (BlockCache::new(cap), BlockCache::new(cap));
-            // Per prompt: None (idle) or Some((hits, stored, slots, by chain)).
-            let mut state: Vec<Option<Held>> = vec![None; chains.len()];
-            for op in ops {
-                match op {
-                    Op::Admit(i) | Op::Store(i) | Op::Release(i) if i >= chains.len() => {}
-                    Op::Admit(i) => {
-                        if state[i].is_none() {
-                            let mut held = Vec::new();
-                            let h = a.pin(&chains[i]);
-                            prop_assert_eq!(b.pin_into(&chains[i], &mut held), h);
-                            state[i] = Some((h, false, held, false));
-                        }
-                    }
-                    Op::Store(i) => {
-                        if let Some((h, stored @ false, held, by_chain)) = state[i].as_mut() {
-                            *stored = true;
-                            let ra = a.insert(&chains[i]);
-                            a.pin(&chains[i][*h..]);
-                            let mut all = Vec::new();
-                            let rb = b.insert_into(&chains[i], &mut all);
-                            prop_assert_eq!(ra.is_ok(), rb.is_ok());
-                            if rb.is_ok() {
-                                b.pin_slots(&all[*h..]);
-                                *held = all;
-                            } else {
-                                b.pin(&chains[i][*h..]);
-                                *by_chain = true;
-                            }
-                        }
-                    }
-                    Op::Release(i) => {
-                        if let Some((h, stored, held, by_chain)) = state[i].take() {
-                            if stored {
-                                let n = a.unpin(&chains[i]);
-                                let m = if by_chain { b.unpin(&chains[i]) } else { b.unpin_slots(&held) };
-                                prop_assert_eq!(n, m);
-                            } else {
-                                a.unpin(&chains[i][..h]);
-                                b.unpin_slots(&held);
-                            }
-                        }
-                    }
-                    Op::Capacity(c) => {
-                        prop_assert_eq!(a.set_capacity(c).is_ok(), b.set_capacity(c).is_ok());
-                    }
-                }
-                prop_assert_eq!(a.drain_events().collect::<Vec<_>>(), b.drain_events().collect::<Vec<_>>());
-                prop_assert_eq!(a.recency_order(), b.recency_order());
-                prop_assert_eq!(a.pinned_blocks(), b.pinned_blocks());
-                prop_assert_eq!(a.len(), b.len());
-                b.check_invariants().map_err(TestCaseError::fail)?;
-            }
+            slots_match_chains(&prompts, &ops, cap)?;
         }
     }
 }

@@ -157,11 +157,10 @@ struct Running {
     hits: usize,
     prefill_left: usize,
     decoding: bool,
-    /// Cache slots of the blocks it pins, in chain order: its leading cached run from
-    /// admission, the whole prompt once stored. Its pins are released through them, without
-    /// hashing, unless `by_hash` (a store the cache refused: then by the chain, as before).
+    /// Cache slots of its blocks, in chain order: its leading cached run from admission, the
+    /// whole prompt once stored, none after a store the cache refused. Releasing its chain
+    /// finds the blocks through them without hashing (the release is the chain's either way).
     held: Vec<SlotId>,
-    by_hash: bool,
 }
 
 /// One engine replica: continuous batching with chunked prefill over a real
@@ -368,7 +367,6 @@ impl Engine {
             prefill_left: req.input_len,
             decoding: false,
             held: Vec::new(),
-            by_hash: false,
         };
         let slot = match self.free.pop() {
             Some(s) => {
@@ -614,7 +612,7 @@ impl Engine {
         // The cache gets whatever the running requests, this one included, do not hold privately.
         if !resize(&mut self.cache, self.cfg.kv_blocks, self.private + need) {
             if let Some(r) = self.slots[s].as_mut() {
-                self.cache.unpin_slots(&r.held);
+                self.cache.unpin_slots(&r.blocks[..hits], &r.held);
                 r.held.clear();
             }
             return false;
@@ -665,18 +663,13 @@ impl Engine {
         } else {
             self.inconsistent_inserts += 1;
             self.cache.pin(&r.blocks[r.hits..]);
-            r.by_hash = true;
         }
         r.held = chain;
     }
 
-    /// Releases the request's pins: its stored prompt's slots, or its chain.
+    /// Releases the request's pins: its stored prompt's chain, found through its slots.
     fn unpin_request(cache: &mut BlockCache, r: &Running) {
-        if r.by_hash {
-            cache.unpin(&r.blocks);
-        } else {
-            cache.unpin_slots(&r.held);
-        }
+        cache.unpin_slots(&r.blocks, &r.held);
     }
 
     /// The prompt is computed and the first token produced.
