@@ -233,11 +233,12 @@ pub struct Engine {
     blocked: bool,
     /// Duration of the step in progress (or the last one).
     last_duration: u64,
-    /// Durations of the quiet steps after the one in progress, computed ahead: `ahead[i]` is
-    /// the duration of step `ahead_first + i`. Valid while the decoding set is unchanged.
-    ahead: VecDeque<u64>,
+    /// Durations of the quiet steps after the one in progress, computed ahead:
+    /// `ahead[ahead_pos + i]` is the duration of step `ahead_first + i` (the entries before
+    /// `ahead_pos` are used up). Valid while the decoding set is unchanged.
+    ahead: Vec<u64>,
+    ahead_pos: usize,
     ahead_first: u64,
-    scratch: Vec<u64>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -282,9 +283,9 @@ impl Engine {
             outcomes: Vec::new(),
             blocked: false,
             last_duration: 0,
-            ahead: VecDeque::new(),
+            ahead: Vec::new(),
+            ahead_pos: 0,
             ahead_first: 0,
-            scratch: Vec::new(),
         }
     }
 
@@ -462,7 +463,7 @@ impl Engine {
     /// them later does not compute them twice.
     pub fn quiet_durations(&mut self, n: usize) -> impl Iterator<Item = u64> + '_ {
         self.extend_ahead(n);
-        self.ahead.iter().copied().take(n)
+        self.ahead[self.ahead_pos..].iter().copied().take(n)
     }
 
     /// Finishes the step in progress and plans the next, `n` times, exactly as
@@ -480,7 +481,8 @@ impl Engine {
         let mut elapsed = 0;
         let (mut context, mut busy_us, mut last) = (self.context, self.busy_us, self.last_duration);
         // `ahead` starts with the step planned after the one in progress.
-        for &duration_us in self.ahead.range(..n as usize) {
+        let ahead = &self.ahead[self.ahead_pos..];
+        for &duration_us in &ahead[..(n as usize).min(ahead.len())] {
             elapsed += last;
             context += decode;
             busy_us += duration_us;
@@ -490,7 +492,7 @@ impl Engine {
                 duration_us,
             });
         }
-        self.ahead.drain(..n as usize);
+        self.ahead_pos = (self.ahead_pos + n as usize).min(self.ahead.len());
         self.ahead_first += n;
         self.steps += n;
         (self.context, self.busy_us, self.last_duration) = (context, busy_us, last);
@@ -500,27 +502,39 @@ impl Engine {
     /// Makes `ahead` hold the durations of the `n` steps after the one in progress.
     fn extend_ahead(&mut self, n: usize) {
         let first = self.steps + 2;
-        if self.ahead.is_empty() || self.ahead_first > first {
-            self.ahead.clear();
+        if self.ahead_pos == self.ahead.len() || self.ahead_first > first {
+            self.clear_ahead();
             self.ahead_first = first;
         }
-        while self.ahead_first < first {
-            self.ahead.pop_front();
-            self.ahead_first += 1;
+        if self.ahead_first < first {
+            // Used up: the steps finished since.
+            let gone = usize::try_from(first - self.ahead_first).unwrap_or(usize::MAX);
+            self.ahead_pos = self.ahead_pos.saturating_add(gone).min(self.ahead.len());
+            self.ahead_first = first;
         }
-        let have = self.ahead.len();
+        let have = self.ahead.len() - self.ahead_pos;
         if have >= n {
             return;
+        }
+        if self.ahead_pos > 0 {
+            self.ahead.drain(..self.ahead_pos);
+            self.ahead_pos = 0;
         }
         let decode = self.decoding as u64;
         // Step `ahead_first + have` reads the context grown by every step before it.
         let k = self.ahead_first + have as u64 - (self.steps + 1);
-        let mut buf = std::mem::take(&mut self.scratch);
-        buf.clear();
+        let from = self.ahead.len();
         self.timing
-            .decode_steps_us(decode, self.context + k * decode, n - have, &mut buf);
-        self.ahead.extend(buf.iter().map(|&d| d.max(1)));
-        self.scratch = buf;
+            .decode_steps_us(decode, self.context + k * decode, n - have, &mut self.ahead);
+        for d in &mut self.ahead[from..] {
+            *d = (*d).max(1);
+        }
+    }
+
+    /// Forgets the durations computed ahead (the decoding set changed).
+    fn clear_ahead(&mut self) {
+        self.ahead.clear();
+        self.ahead_pos = 0;
     }
 
     /// Ends the step in progress: every decoding request produced a token, prefill chunks are
@@ -707,6 +721,7 @@ impl Engine {
             return;
         }
         r.decoding = true;
+        self.ahead_pos = 0;
         self.ahead.clear();
         self.decoding += 1;
         self.context += (r.input + 1) as u64;
@@ -719,6 +734,7 @@ impl Engine {
             return;
         };
         if std::mem::take(&mut r.decoding) {
+            self.ahead_pos = 0;
             self.ahead.clear();
             self.decoding -= 1;
             self.context -= (r.input + r.output) as u64;

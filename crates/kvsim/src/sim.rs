@@ -242,6 +242,8 @@ struct Run<'a> {
     itl: ItlHistogram,
     router_errors: u64,
     outcomes: Vec<Outcome>,
+    /// Engine events on their way to the routers without delay, reused.
+    events: Vec<KvEvent>,
     now: u64,
     /// The `vpush`, `seq` and `ppush` of the event being handled.
     cur_vpush: u64,
@@ -278,6 +280,7 @@ impl<'a> Run<'a> {
             itl: ItlHistogram::default(),
             router_errors: 0,
             outcomes: Vec::new(),
+            events: Vec::new(),
             now: 0,
             cur_vpush: 0,
             cur_seq: 0,
@@ -774,10 +777,14 @@ impl<'a> Run<'a> {
         if self.fleet.engines[e].pending_events() == 0 {
             return;
         }
-        let events: Vec<KvEvent> = self.fleet.engines[e].drain_events().collect();
         if self.cfg.event_delay_us == 0 {
+            let mut events = std::mem::take(&mut self.events);
+            events.extend(self.fleet.engines[e].drain_events());
             self.deliver(e, &events);
+            events.clear();
+            self.events = events;
         } else {
+            let events: Vec<KvEvent> = self.fleet.engines[e].drain_events().collect();
             self.push(
                 self.now.saturating_add(self.cfg.event_delay_us),
                 Kind::Deliver(e, events),
