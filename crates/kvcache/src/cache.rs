@@ -250,17 +250,29 @@ impl BlockCache {
             self.touch_slots(slots);
             return Ok(0);
         }
-        // Reserve the new keys; a key already present is a duplicate or a block after a gap.
+        // Reserve the new keys with the slots they will have (free ones first, then new ones
+        // past the end), so that each key is hashed once; a key already present is a duplicate
+        // or a block after a gap.
+        let mut fresh = self.slots.len();
         for (j, h) in new.iter().enumerate() {
             if let hashbrown::hash_map::Entry::Vacant(v) = self.map.entry(*h) {
-                v.insert(NIL);
+                let s = match self.free.pop() {
+                    Some(s) => s,
+                    None => {
+                        fresh += 1;
+                        // Below FREE and NIL: the resident count bounds this long before.
+                        u32::try_from(fresh - 1).map_or(FREE, |s| s.min(FREE))
+                    }
+                };
+                v.insert(s);
+                slots.push(s);
             } else {
                 let why = if new[..j].contains(h) {
                     "appears twice"
                 } else {
                     "is resident after a block that is not"
                 };
-                self.unreserve(&new[..j]);
+                self.unreserve(&new[..j], slots, run);
                 return Err(Error::InconsistentChain {
                     block: *h,
                     position: run + j,
@@ -270,10 +282,10 @@ impl BlockCache {
         }
         let resident = self.map.len() - new.len();
         let needed = (resident + new.len()).saturating_sub(self.limit());
-        if needed > 0 {
+        if needed > 0 || fresh > FREE as usize {
             let evictable = self.evictable(last, new.len());
-            if needed > evictable {
-                self.unreserve(new);
+            if needed > evictable || fresh > FREE as usize {
+                self.unreserve(new, slots, run);
                 return Err(self.exhausted(needed, evictable));
             }
         }
@@ -282,11 +294,12 @@ impl BlockCache {
             self.slots[last as usize].children += 1;
         }
         // Most recent first, so eviction below does not have to step over the run.
-        self.touch_slots(slots);
+        self.touch_slots(&slots[..run]);
         self.evict(needed);
 
         let mut parent = last;
-        for (j, &h) in new.iter().enumerate() {
+        for (j, &s) in slots[run..].iter().enumerate() {
+            let h = new[j];
             let slot = Slot {
                 hash: h,
                 parent,
@@ -297,23 +310,14 @@ impl BlockCache {
                 prev: NIL,
                 next: NIL,
             };
-            let s = match self.free.pop() {
-                Some(s) => {
-                    self.slots[s as usize] = slot;
-                    s
-                }
-                None => {
-                    self.slots.push(slot);
-                    (self.slots.len() - 1) as u32
-                }
-            };
-            if let Some(v) = self.map.get_mut(&h) {
-                *v = s;
+            // The reserved slots past the end come in order.
+            match self.slots.get_mut(s as usize) {
+                Some(old) => *old = slot,
+                None => self.slots.push(slot),
             }
             if parent != NIL {
                 self.slots[parent as usize].hint = s;
             }
-            slots.push(s);
             parent = s;
         }
         self.touch_slots(slots);
@@ -502,14 +506,24 @@ impl BlockCache {
         }
     }
 
-    fn unreserve(&mut self, keys: &[BlockHash]) {
+    /// Undoes the reservation of `keys`, whose slots follow `slots[run..]`: the free ones go
+    /// back to the free list as they were.
+    fn unreserve(&mut self, keys: &[BlockHash], slots: &mut Vec<u32>, run: usize) {
         for h in keys {
             self.map.remove(h);
         }
+        let end = self.slots.len();
+        for &s in slots[run..].iter().rev() {
+            if (s as usize) < end {
+                self.free.push(s);
+            }
+        }
+        slots.truncate(run);
     }
 
     /// Blocks eviction could remove, one after another, without touching `protect` or its prefix.
-    /// `reserved` map entries are keys of an insert in progress, not resident blocks.
+    /// `reserved` map entries are keys of an insert in progress, not resident blocks (their
+    /// slots are free or past the end, with no pins).
     fn evictable(&self, protect: u32, reserved: usize) -> usize {
         let resident = self.map.len() - reserved;
         if self.broken == 0 {
@@ -530,7 +544,7 @@ impl BlockCache {
             .map
             .values()
             .copied()
-            .filter(|&s| s != NIL && self.slots[s as usize].pins > 0)
+            .filter(|&s| self.slots.get(s as usize).is_some_and(|x| x.pins > 0))
             .chain((protect != NIL).then_some(protect));
         for start in starts {
             let mut s = start;
