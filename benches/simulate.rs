@@ -47,12 +47,15 @@ fn simulate(c: &mut Criterion) {
             "20k req, 16 inst, block 16, 30k blocks/inst",
             config(20_000, 16, 60.0, 16, Some(30_000)),
         ),
+        (
+            "100k req, 16 inst, block 16, 30k blocks/inst",
+            config(100_000, 16, 60.0, 16, Some(30_000)),
+        ),
     ];
     let mut runs = runs.to_vec();
     // The whole Mooncake conversation trace (12,031 requests, 59 minutes) on 8 instances, when
     // the shared data sits beside the repository.
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared/data/mooncake_conversation_trace.jsonl");
+    let path = trace_path();
     match Trace::load(&path, BlockSize::new(512).expect("non-zero")) {
         Ok(trace) => {
             let mut cfg = SimConfig::default().with_trace(trace);
@@ -72,7 +75,40 @@ fn simulate(c: &mut Criterion) {
             b.iter(|| sim.run().expect("runs"))
         });
     }
+    // The same trace run as a user runs it: reading and checking the file included. Its
+    // throughput is in simulated seconds (the trace's span) per wall-clock second.
+    if let Ok(trace) = Trace::load(&path, BlockSize::new(512).expect("non-zero")) {
+        let span_s = trace.stats().span_s;
+        group.throughput(Throughput::Elements(span_s.round() as u64));
+        group.bench_function(
+            BenchmarkId::from_parameter(
+                "conversation trace, file to report (8 inst, kv, 900 blocks/inst; elements = simulated s)",
+            ),
+            |b| {
+                b.iter(|| {
+                    let trace =
+                        Trace::load(&path, BlockSize::new(512).expect("non-zero")).expect("loads");
+                    let mut cfg = SimConfig::default().with_trace(trace);
+                    cfg.instances = 8;
+                    cfg.kv_blocks = Some(900);
+                    Simulation::new(cfg).expect("valid").run().expect("runs")
+                })
+            },
+        );
+    }
     group.finish();
+}
+
+/// The Mooncake conversation trace: `KVKIT_CONVERSATION_TRACE`, or the shared data beside the
+/// repository.
+fn trace_path() -> std::path::PathBuf {
+    std::env::var_os("KVKIT_CONVERSATION_TRACE").map_or_else(
+        || {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../shared/data/mooncake_conversation_trace.jsonl")
+        },
+        std::path::PathBuf::from,
+    )
 }
 
 criterion_group!(benches, simulate);

@@ -6,6 +6,9 @@ use crate::hasher::Map;
 use crate::{Error, KvEvent};
 
 const NIL: u32 = u32::MAX;
+/// The `parent` of a free slot (no slot has this index: see [`MAX_BLOCKS`]), so that a stale
+/// [`SlotId`] is recognised.
+const FREE: u32 = u32::MAX - 1;
 /// Slots are numbered with `u32`; an unbounded cache is bounded by that.
 const MAX_BLOCKS: usize = (u32::MAX - 1) as usize;
 
@@ -19,9 +22,19 @@ struct Slot {
     pins: u32,
     /// Resident children with `pins > 0`.
     pinned_children: u32,
+    /// A resident child (the last one a chain walk went to), or NIL: walking a chain tries it
+    /// before hashing.
+    hint: u32,
     prev: u32,
     next: u32,
 }
+
+/// A resident block's place in a [`BlockCache`], as [`pin_into`](BlockCache::pin_into) and
+/// [`insert_into`](BlockCache::insert_into) hand it out: a handle that finds the block again
+/// without hashing. It names that block while the block stays resident, which a pinned block
+/// always does; after an eviction it may name another block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SlotId(u32);
 
 /// Counters of a [`BlockCache`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -157,10 +170,34 @@ impl BlockCache {
     /// The longest leading run of `chain` that is resident. Changes nothing, counts nothing.
     #[inline]
     pub fn match_len(&self, chain: &[BlockHash]) -> usize {
-        chain
-            .iter()
-            .take_while(|h| self.map.contains_key(*h))
-            .count()
+        let mut prev = NIL;
+        for (i, h) in chain.iter().enumerate() {
+            match self.find(prev, h) {
+                Some(s) => prev = s,
+                None => return i,
+            }
+        }
+        chain.len()
+    }
+
+    /// The slot of block `h`, trying first the hinted child of `prev` (a slot, or NIL).
+    #[inline]
+    fn find(&self, prev: u32, h: &BlockHash) -> Option<u32> {
+        if prev != NIL {
+            let c = self.slots[prev as usize].hint;
+            if c != NIL && self.slots[c as usize].hash == *h {
+                return Some(c);
+            }
+        }
+        self.map.get(h).copied()
+    }
+
+    /// Remembers that a chain walk went from `prev` (a slot, or NIL) to its child `s`.
+    #[inline]
+    fn set_hint(&mut self, prev: u32, s: u32) {
+        if prev != NIL && self.slots[s as usize].parent == prev {
+            self.slots[prev as usize].hint = s;
+        }
     }
 
     /// [`match_len`](Self::match_len), counted in the stats as a lookup.
@@ -183,7 +220,7 @@ impl BlockCache {
         slots.clear();
         let mut last = NIL;
         for (i, h) in chain.iter().enumerate() {
-            let Some(&s) = self.map.get(h) else { break };
+            let Some(s) = self.find(last, h) else { break };
             if self.slots[s as usize].parent != last {
                 self.scratch = slots;
                 return Err(Error::InconsistentChain {
@@ -213,17 +250,29 @@ impl BlockCache {
             self.touch_slots(slots);
             return Ok(0);
         }
-        // Reserve the new keys; a key already present is a duplicate or a block after a gap.
+        // Reserve the new keys with the slots they will have (free ones first, then new ones
+        // past the end), so that each key is hashed once; a key already present is a duplicate
+        // or a block after a gap.
+        let mut fresh = self.slots.len();
         for (j, h) in new.iter().enumerate() {
             if let hashbrown::hash_map::Entry::Vacant(v) = self.map.entry(*h) {
-                v.insert(NIL);
+                let s = match self.free.pop() {
+                    Some(s) => s,
+                    None => {
+                        fresh += 1;
+                        // Below FREE and NIL: the resident count bounds this long before.
+                        u32::try_from(fresh - 1).map_or(FREE, |s| s.min(FREE))
+                    }
+                };
+                v.insert(s);
+                slots.push(s);
             } else {
                 let why = if new[..j].contains(h) {
                     "appears twice"
                 } else {
                     "is resident after a block that is not"
                 };
-                self.unreserve(&new[..j]);
+                self.unreserve(&new[..j], slots, run);
                 return Err(Error::InconsistentChain {
                     block: *h,
                     position: run + j,
@@ -233,10 +282,10 @@ impl BlockCache {
         }
         let resident = self.map.len() - new.len();
         let needed = (resident + new.len()).saturating_sub(self.limit());
-        if needed > 0 {
+        if needed > 0 || fresh > FREE as usize {
             let evictable = self.evictable(last, new.len());
-            if needed > evictable {
-                self.unreserve(new);
+            if needed > evictable || fresh > FREE as usize {
+                self.unreserve(new, slots, run);
                 return Err(self.exhausted(needed, evictable));
             }
         }
@@ -245,34 +294,30 @@ impl BlockCache {
             self.slots[last as usize].children += 1;
         }
         // Most recent first, so eviction below does not have to step over the run.
-        self.touch_slots(slots);
+        self.touch_slots(&slots[..run]);
         self.evict(needed);
 
         let mut parent = last;
-        for (j, &h) in new.iter().enumerate() {
+        for (j, &s) in slots[run..].iter().enumerate() {
+            let h = new[j];
             let slot = Slot {
                 hash: h,
                 parent,
                 children: u32::from(j + 1 < new.len()),
                 pins: 0,
                 pinned_children: 0,
+                hint: NIL,
                 prev: NIL,
                 next: NIL,
             };
-            let s = match self.free.pop() {
-                Some(s) => {
-                    self.slots[s as usize] = slot;
-                    s
-                }
-                None => {
-                    self.slots.push(slot);
-                    (self.slots.len() - 1) as u32
-                }
-            };
-            if let Some(v) = self.map.get_mut(&h) {
-                *v = s;
+            // The reserved slots past the end come in order.
+            match self.slots.get_mut(s as usize) {
+                Some(old) => *old = slot,
+                None => self.slots.push(slot),
             }
-            slots.push(s);
+            if parent != NIL {
+                self.slots[parent as usize].hint = s;
+            }
             parent = s;
         }
         self.touch_slots(slots);
@@ -295,9 +340,10 @@ impl BlockCache {
         let mut prev = None;
         let mut n = 0;
         for h in chain {
-            match self.map.get(h) {
-                Some(&s) if prev.is_none_or(|p| self.slots[s as usize].parent == p) => {
+            match self.find(prev.unwrap_or(NIL), h) {
+                Some(s) if prev.is_none_or(|p| self.slots[s as usize].parent == p) => {
                     self.pin_slot(s);
+                    self.set_hint(prev.unwrap_or(NIL), s);
                     prev = Some(s);
                     n += 1;
                 }
@@ -311,12 +357,24 @@ impl BlockCache {
     /// as [`pin`](Self::pin) follows it, and pinned; a block whose last pin goes counts as used
     /// now. Returns how many were released.
     pub fn unpin(&mut self, chain: &[BlockHash]) -> usize {
+        self.unpin_walk(chain, &[])
+    }
+
+    /// [`unpin`](Self::unpin), trying `slots[i]` (where given) as `chain[i]`'s place before
+    /// hashing: a slot is taken only when it holds that very block, pinned, so the result is
+    /// always exactly `unpin(chain)`'s.
+    fn unpin_walk(&mut self, chain: &[BlockHash], slots: &[SlotId]) -> usize {
         let mut scratch = std::mem::take(&mut self.scratch);
         scratch.clear();
         let mut prev = None;
-        for h in chain {
-            match self.map.get(h) {
-                Some(&s)
+        for (i, h) in chain.iter().enumerate() {
+            let known = slots.get(i).map(|&SlotId(c)| c).filter(|&c| {
+                self.slots
+                    .get(c as usize)
+                    .is_some_and(|x| x.pins > 0 && x.parent != FREE && x.hash == *h)
+            });
+            match known.or_else(|| self.find(prev.unwrap_or(NIL), h)) {
+                Some(s)
                     if self.slots[s as usize].pins > 0
                         && prev.is_none_or(|p| self.slots[s as usize].parent == p) =>
                 {
@@ -333,6 +391,58 @@ impl BlockCache {
         let n = scratch.len();
         self.scratch = scratch;
         n
+    }
+
+    /// [`pin`](Self::pin), also appending the pinned blocks' slots to `out`, in chain order.
+    pub fn pin_into(&mut self, chain: &[BlockHash], out: &mut Vec<SlotId>) -> usize {
+        let mut prev = None;
+        let mut n = 0;
+        for h in chain {
+            match self.find(prev.unwrap_or(NIL), h) {
+                Some(s) if prev.is_none_or(|p| self.slots[s as usize].parent == p) => {
+                    self.pin_slot(s);
+                    self.set_hint(prev.unwrap_or(NIL), s);
+                    out.push(SlotId(s));
+                    prev = Some(s);
+                    n += 1;
+                }
+                _ => break,
+            }
+        }
+        n
+    }
+
+    /// [`insert`](Self::insert), also appending, when it succeeds, the slots of the whole
+    /// chain (its resident run and the blocks stored) to `out`, in chain order.
+    pub fn insert_into(
+        &mut self,
+        chain: &[BlockHash],
+        out: &mut Vec<SlotId>,
+    ) -> Result<usize, Error> {
+        let stored = self.insert(chain)?;
+        // `insert` leaves the chain's slots in the scratch buffer.
+        out.extend(self.scratch.iter().map(|&s| SlotId(s)));
+        Ok(stored)
+    }
+
+    /// Pins the blocks of `slots`, in order, as [`pin`](Self::pin) pins a chain: each should be
+    /// resident (a slot handed out for a block still pinned, or just stored), and each after
+    /// the first the child of the one before. A slot that holds no block is skipped.
+    pub fn pin_slots(&mut self, slots: &[SlotId]) {
+        for &SlotId(s) in slots {
+            if self.slots.get(s as usize).is_some_and(|x| x.parent != FREE) {
+                self.pin_slot(s);
+            }
+        }
+    }
+
+    /// Exactly [`unpin`](Self::unpin)`(chain)`, finding `chain[i]` through `slots[i]` (as
+    /// [`pin_into`](Self::pin_into) or [`insert_into`](Self::insert_into) handed them out for
+    /// this chain) without hashing while that slot still holds the block, pinned. `slots` may
+    /// be shorter than `chain` (the rest is found by hash) or stale (checked, then hashed).
+    /// Returns how many pins were released.
+    pub fn unpin_slots(&mut self, chain: &[BlockHash], slots: &[SlotId]) -> usize {
+        self.unpin_walk(chain, slots)
     }
 
     /// Changes the capacity in blocks (`None`: unbounded; 0 holds nothing), evicting down to it.
@@ -396,14 +506,24 @@ impl BlockCache {
         }
     }
 
-    fn unreserve(&mut self, keys: &[BlockHash]) {
+    /// Undoes the reservation of `keys`, whose slots follow `slots[run..]`: the free ones go
+    /// back to the free list as they were.
+    fn unreserve(&mut self, keys: &[BlockHash], slots: &mut Vec<u32>, run: usize) {
         for h in keys {
             self.map.remove(h);
         }
+        let end = self.slots.len();
+        for &s in slots[run..].iter().rev() {
+            if (s as usize) < end {
+                self.free.push(s);
+            }
+        }
+        slots.truncate(run);
     }
 
     /// Blocks eviction could remove, one after another, without touching `protect` or its prefix.
-    /// `reserved` map entries are keys of an insert in progress, not resident blocks.
+    /// `reserved` map entries are keys of an insert in progress, not resident blocks (their
+    /// slots are free or past the end, with no pins).
     fn evictable(&self, protect: u32, reserved: usize) -> usize {
         let resident = self.map.len() - reserved;
         if self.broken == 0 {
@@ -424,7 +544,7 @@ impl BlockCache {
             .map
             .values()
             .copied()
-            .filter(|&s| s != NIL && self.slots[s as usize].pins > 0)
+            .filter(|&s| self.slots.get(s as usize).is_some_and(|x| x.pins > 0))
             .chain((protect != NIL).then_some(protect));
         for start in starts {
             let mut s = start;
@@ -456,11 +576,19 @@ impl BlockCache {
             let slot = &self.slots[s as usize];
             let (hash, parent) = (slot.hash, slot.parent);
             if parent != NIL {
-                self.slots[parent as usize].children -= 1;
+                let p = &mut self.slots[parent as usize];
+                p.children -= 1;
+                if p.hint == s {
+                    p.hint = NIL;
+                }
             }
-            self.map.remove(&hash);
+            self.slots[s as usize].parent = FREE;
             self.free.push(s);
             removed.push(hash);
+        }
+        // Apart, so that the removals' (cold) hash-table probes can overlap.
+        for hash in &removed {
+            self.map.remove(hash);
         }
         self.stats.evictions += removed.len() as u64;
         self.events.push(KvEvent::Removed { blocks: removed });
@@ -588,6 +716,10 @@ impl BlockCache {
             if resident[f as usize] {
                 return Err(format!("slot {f} is both free and resident"));
             }
+            let slot = &self.slots[f as usize];
+            if slot.parent != FREE || slot.pins > 0 {
+                return Err(format!("free slot {f} is not marked free"));
+            }
         }
         if self.map.len() + self.free.len() != n {
             return Err("slots leak".into());
@@ -617,6 +749,13 @@ impl BlockCache {
         let mut broken = 0;
         for s in (0..n).filter(|&s| resident[s]) {
             let slot = &self.slots[s];
+            let h = slot.hint;
+            if h != NIL
+                && (!resident.get(h as usize).copied().unwrap_or(false)
+                    || self.slots[h as usize].parent != s as u32)
+            {
+                return Err(format!("the hint of {} is not a resident child", slot.hash));
+            }
             if slot.children != children[s] || slot.pinned_children != pinned_children[s] {
                 return Err(format!("child counts of {} are wrong", slot.hash));
             }
@@ -646,5 +785,178 @@ impl BlockCache {
             return Err("list does not hold exactly the unpinned blocks".into());
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// A request's prompt: a path in a small tree of blocks, so prompts share prefixes.
+    fn chain(path: &[u8]) -> Vec<BlockHash> {
+        let mut h = 0u64;
+        path.iter()
+            .map(|&b| {
+                h = h.wrapping_mul(31).wrapping_add(u64::from(b) + 1);
+                BlockHash::new(h)
+            })
+            .collect()
+    }
+
+    /// A running prompt: its cached run's length at admission, whether its store ran, and the
+    /// slots it holds (its cached run; the whole prompt once stored; none after a refused store).
+    type Held = (usize, bool, Vec<SlotId>);
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Admit(usize),
+        Store(usize),
+        Release(usize),
+        Capacity(Option<usize>),
+    }
+
+    /// Drives two caches the way an engine does: `a` with chain calls only (pin the cached run,
+    /// store the prompt and pin the rest, release the whole chain), `b` with the slot calls
+    /// (`pin_into`, `insert_into` and `pin_slots`, `unpin_slots`). Every result, event, the
+    /// recency order and the counters must agree, and both caches' invariants hold, after
+    /// every step.
+    fn slots_match_chains(
+        prompts: &[Vec<u8>],
+        ops: &[Op],
+        cap: Option<usize>,
+    ) -> Result<(), TestCaseError> {
+        let chains: Vec<Vec<BlockHash>> = prompts.iter().map(|p| chain(p)).collect();
+        let (mut a, mut b) = (BlockCache::new(cap), BlockCache::new(cap));
+        let mut state: Vec<Option<Held>> = vec![None; chains.len()];
+        for op in ops {
+            match *op {
+                Op::Admit(i) | Op::Store(i) | Op::Release(i) if i >= chains.len() => {}
+                Op::Admit(i) => {
+                    if state[i].is_none() {
+                        let mut held = Vec::new();
+                        let h = a.pin(&chains[i]);
+                        prop_assert_eq!(b.pin_into(&chains[i], &mut held), h);
+                        prop_assert_eq!(held.len(), h);
+                        state[i] = Some((h, false, held));
+                    }
+                }
+                Op::Store(i) => {
+                    if let Some((h, stored @ false, held)) = state[i].as_mut() {
+                        *stored = true;
+                        let ra = a.insert(&chains[i]);
+                        let pa = a.pin(&chains[i][*h..]);
+                        let mut all = Vec::new();
+                        let rb = b.insert_into(&chains[i], &mut all);
+                        prop_assert_eq!(&ra, &rb);
+                        if rb.is_ok() {
+                            prop_assert_eq!(all.len(), chains[i].len());
+                            b.pin_slots(&all[*h..]);
+                            prop_assert_eq!(pa, all.len() - *h);
+                            *held = all;
+                        } else {
+                            // A refused store pins by hash whatever is resident; the release
+                            // then goes by the chain alone.
+                            prop_assert_eq!(b.pin(&chains[i][*h..]), pa);
+                            held.clear();
+                        }
+                    }
+                }
+                Op::Release(i) => {
+                    if let Some((h, stored, held)) = state[i].take() {
+                        let run = if stored {
+                            &chains[i][..]
+                        } else {
+                            &chains[i][..h]
+                        };
+                        let n = a.unpin(run);
+                        prop_assert_eq!(b.unpin_slots(run, &held), n);
+                    }
+                }
+                Op::Capacity(c) => {
+                    prop_assert_eq!(a.set_capacity(c), b.set_capacity(c));
+                }
+            }
+            prop_assert_eq!(
+                a.drain_events().collect::<Vec<_>>(),
+                b.drain_events().collect::<Vec<_>>()
+            );
+            prop_assert_eq!(a.recency_order(), b.recency_order());
+            prop_assert_eq!(a.pinned_blocks(), b.pinned_blocks());
+            prop_assert_eq!(a.len(), b.len());
+            prop_assert_eq!(a.stats(), b.stats());
+            a.check_invariants().map_err(TestCaseError::fail)?;
+            b.check_invariants().map_err(TestCaseError::fail)?;
+        }
+        Ok(())
+    }
+
+    /// The case CI's proptest shrank to: a store refused (capacity 0) leaves its prompt to be
+    /// released by the chain, which takes a pin that another prompt sharing its first block
+    /// holds; that prompt's release must then do what the chain call does (stop at the block
+    /// that lost its pin), not skip that block and release the rest.
+    #[test]
+    fn refused_store_then_shared_prefix_release() {
+        use Op::*;
+        let prompts = [vec![0], vec![1, 0], vec![0], vec![0], vec![1, 1]];
+        let ops = [
+            Admit(1),
+            Capacity(Some(0)),
+            Store(1),
+            Admit(4),
+            Capacity(None),
+            Store(4),
+            Release(1),
+            Release(4),
+        ];
+        slots_match_chains(&prompts, &ops, None).unwrap();
+        // And the same with the slot calls alone: the released counts are the chain calls'.
+        let (p, q) = (chain(&[1, 0]), chain(&[1, 1]));
+        let mut c = BlockCache::new(Some(0));
+        assert_eq!(c.pin_into(&p, &mut Vec::new()), 0);
+        assert!(c.insert_into(&p, &mut Vec::new()).is_err());
+        c.set_capacity(None).unwrap();
+        let mut held = Vec::new();
+        assert_eq!(c.insert_into(&q, &mut held), Ok(2));
+        c.pin_slots(&held);
+        assert_eq!(c.unpin(&p), 1); // the refused prompt's release takes q's pin on block 1
+        assert_eq!(c.unpin_slots(&q, &held), 0); // as `unpin(&q)`: block 1 is no longer pinned
+        assert_eq!(c.pin_count(q[1]), 1);
+        c.check_invariants().unwrap();
+    }
+
+    /// A slot that was freed and reused for another block is not taken for the old one.
+    #[test]
+    fn stale_slots_are_checked() {
+        let (p, q) = (chain(&[0]), chain(&[1]));
+        let mut c = BlockCache::new(Some(1));
+        let mut held = Vec::new();
+        c.insert_into(&p, &mut held).unwrap();
+        c.insert(&q).unwrap(); // evicts p; its slot now holds q
+        c.pin(&q);
+        assert_eq!(c.unpin_slots(&p, &held), 0);
+        assert_eq!(c.pin_count(q[0]), 1);
+        c.pin_slots(&[SlotId(7)]); // no such slot: skipped
+        c.check_invariants().unwrap();
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+        /// Pinning, storing and releasing through slots does exactly what the chain calls do,
+        /// used the way an engine uses them: pin the cached run, store the prompt and pin the
+        /// rest, release it all.
+        #[test]
+        fn slot_calls_equal_chain_calls(
+            prompts in prop::collection::vec(prop::collection::vec(0u8..3, 1..6), 1..8),
+            ops in prop::collection::vec(prop_oneof![
+                (0usize..8).prop_map(Op::Admit),
+                (0usize..8).prop_map(Op::Store),
+                (0usize..8).prop_map(Op::Release),
+                prop::option::of(0usize..12).prop_map(Op::Capacity),
+            ], 1..60),
+            cap in prop::option::of(0usize..12),
+        ) {
+            slots_match_chains(&prompts, &ops, cap)?;
+        }
     }
 }

@@ -49,7 +49,7 @@ mod snapshot;
 
 use std::fmt;
 
-pub use cache::{BlockCache, CacheStats};
+pub use cache::{BlockCache, CacheStats, SlotId};
 pub use hasher::FixedState;
 pub use index::{Applied, CacheIndex, Overlaps};
 pub use kvblock::BlockHash;

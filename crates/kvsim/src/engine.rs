@@ -9,7 +9,7 @@ use std::collections::{BinaryHeap, VecDeque};
 use std::sync::Arc;
 
 use kvblock::{BlockHash, BlockSize};
-use kvcache::{BlockCache, KvEvent};
+use kvcache::{BlockCache, KvEvent, SlotId};
 use serde::Serialize;
 
 use crate::timing::{StepShape, TimingModel};
@@ -157,6 +157,10 @@ struct Running {
     hits: usize,
     prefill_left: usize,
     decoding: bool,
+    /// Cache slots of its blocks, in chain order: its leading cached run from admission, the
+    /// whole prompt once stored, none after a store the cache refused. Releasing its chain
+    /// finds the blocks through them without hashing (the release is the chain's either way).
+    held: Vec<SlotId>,
 }
 
 /// One engine replica: continuous batching with chunked prefill over a real
@@ -224,6 +228,17 @@ pub struct Engine {
     busy_us: u64,
     inconsistent_inserts: u64,
     outcomes: Vec<Outcome>,
+    /// The last [`admit`](Self::admit) left requests waiting, and nothing that could let the
+    /// head in has happened since (memory and the running count change only at step ends).
+    blocked: bool,
+    /// Duration of the step in progress (or the last one).
+    last_duration: u64,
+    /// Durations of the quiet steps after the one in progress, computed ahead:
+    /// `ahead[ahead_pos + i]` is the duration of step `ahead_first + i` (the entries before
+    /// `ahead_pos` are used up). Valid while the decoding set is unchanged.
+    ahead: Vec<u64>,
+    ahead_pos: usize,
+    ahead_first: u64,
 }
 
 impl std::fmt::Debug for Engine {
@@ -266,6 +281,11 @@ impl Engine {
             busy_us: 0,
             inconsistent_inserts: 0,
             outcomes: Vec::new(),
+            blocked: false,
+            last_duration: 0,
+            ahead: Vec::new(),
+            ahead_pos: 0,
+            ahead_first: 0,
         }
     }
 
@@ -347,6 +367,7 @@ impl Engine {
             hits: 0,
             prefill_left: req.input_len,
             decoding: false,
+            held: Vec::new(),
         };
         let slot = match self.free.pop() {
             Some(s) => {
@@ -358,6 +379,9 @@ impl Engine {
                 self.slots.len() - 1
             }
         };
+        if self.waiting.is_empty() {
+            self.blocked = false;
+        }
         self.waiting.push_back(slot);
         true
     }
@@ -370,6 +394,7 @@ impl Engine {
             }
             self.waiting.pop_front();
         }
+        self.blocked = !self.waiting.is_empty();
     }
 
     /// Starts the next step, if anything is scheduled: prefill chunks under the token budget
@@ -396,6 +421,7 @@ impl Engine {
         let duration_us = self.timing.step_us(&shape).max(1);
         self.busy = true;
         self.busy_us += duration_us;
+        self.last_duration = duration_us;
         Some(PlannedStep { shape, duration_us })
     }
 
@@ -408,6 +434,109 @@ impl Engine {
             .map(|r| r.id)
     }
 
+    /// Quiet steps, counting the one in progress: pure decode steps after whose end nothing
+    /// but the step count and the context change (no prefill chunk, no request's last token,
+    /// nothing waiting that could be scheduled). Such steps can be run back to back with
+    /// [`skip_quiet_steps`](Self::skip_quiet_steps) instead of one by one; the step after the
+    /// last quiet one is planned like any other and may change something at its end. 0 when
+    /// no step is in progress or it is not quiet. Valid until the next call that changes the
+    /// engine ([`submit`](Self::submit) included).
+    pub fn quiet_steps(&self) -> u64 {
+        if !self.busy
+            || !self.prefilling.is_empty()
+            || !self.chunks.is_empty()
+            || self.step_decode != self.decoding
+            || (!self.waiting.is_empty() && !self.blocked)
+        {
+            return 0;
+        }
+        match self.finishing.peek() {
+            // The step in progress is number `steps + 1`; the first that finishes a request is
+            // not quiet.
+            Some(&Reverse((step, _, _))) => step.saturating_sub(self.steps + 1),
+            None => 0,
+        }
+    }
+
+    /// The durations of the `n` steps after the one in progress, were they planned after
+    /// quiet steps (`n` at most [`quiet_steps`](Self::quiet_steps)); cached, so that skipping
+    /// them later does not compute them twice.
+    pub fn quiet_durations(&mut self, n: usize) -> impl Iterator<Item = u64> + '_ {
+        self.extend_ahead(n);
+        self.ahead[self.ahead_pos..].iter().copied().take(n)
+    }
+
+    /// Finishes the step in progress and plans the next, `n` times, exactly as
+    /// [`finish_step`](Self::finish_step), [`admit`](Self::admit) and
+    /// [`plan_step`](Self::plan_step) would; `n` must not exceed
+    /// [`quiet_steps`](Self::quiet_steps) (it is clamped to it). `planned` sees each step
+    /// planned. Returns the total duration of the steps finished.
+    pub fn skip_quiet_steps(&mut self, n: u64, mut planned: impl FnMut(&PlannedStep)) -> u64 {
+        let n = n.min(self.quiet_steps());
+        if n == 0 {
+            return 0;
+        }
+        self.extend_ahead(n as usize);
+        let decode = self.step_decode as u64;
+        let mut elapsed = 0;
+        let (mut context, mut busy_us, mut last) = (self.context, self.busy_us, self.last_duration);
+        // `ahead` starts with the step planned after the one in progress.
+        let ahead = &self.ahead[self.ahead_pos..];
+        for &duration_us in &ahead[..(n as usize).min(ahead.len())] {
+            elapsed += last;
+            context += decode;
+            busy_us += duration_us;
+            last = duration_us;
+            planned(&PlannedStep {
+                shape: StepShape::new(0, decode, context),
+                duration_us,
+            });
+        }
+        self.ahead_pos = (self.ahead_pos + n as usize).min(self.ahead.len());
+        self.ahead_first += n;
+        self.steps += n;
+        (self.context, self.busy_us, self.last_duration) = (context, busy_us, last);
+        elapsed
+    }
+
+    /// Makes `ahead` hold the durations of the `n` steps after the one in progress.
+    fn extend_ahead(&mut self, n: usize) {
+        let first = self.steps + 2;
+        if self.ahead_pos == self.ahead.len() || self.ahead_first > first {
+            self.clear_ahead();
+            self.ahead_first = first;
+        }
+        if self.ahead_first < first {
+            // Used up: the steps finished since.
+            let gone = usize::try_from(first - self.ahead_first).unwrap_or(usize::MAX);
+            self.ahead_pos = self.ahead_pos.saturating_add(gone).min(self.ahead.len());
+            self.ahead_first = first;
+        }
+        let have = self.ahead.len() - self.ahead_pos;
+        if have >= n {
+            return;
+        }
+        if self.ahead_pos > 0 {
+            self.ahead.drain(..self.ahead_pos);
+            self.ahead_pos = 0;
+        }
+        let decode = self.decoding as u64;
+        // Step `ahead_first + have` reads the context grown by every step before it.
+        let k = self.ahead_first + have as u64 - (self.steps + 1);
+        let from = self.ahead.len();
+        self.timing
+            .decode_steps_us(decode, self.context + k * decode, n - have, &mut self.ahead);
+        for d in &mut self.ahead[from..] {
+            *d = (*d).max(1);
+        }
+    }
+
+    /// Forgets the durations computed ahead (the decoding set changed).
+    fn clear_ahead(&mut self) {
+        self.ahead.clear();
+        self.ahead_pos = 0;
+    }
+
     /// Ends the step in progress: every decoding request produced a token, prefill chunks are
     /// done. Requests that produced their last token leave, finished prefills store their
     /// prompt blocks.
@@ -416,6 +545,8 @@ impl Engine {
             return;
         }
         self.steps += 1;
+        // Whatever the step changes may let the waiting head in: the next admit tries again.
+        self.blocked = false;
         // Every request that was decoding in this step produced one token.
         self.context += self.step_decode as u64;
         while let Some(&Reverse((step, _, s))) = self.finishing.peek() {
@@ -485,16 +616,18 @@ impl Engine {
 
     /// Schedules a waiting request if memory allows: pins its cached run and reserves the rest.
     fn admit_one(&mut self, s: usize) -> bool {
-        let Some(r) = self.slots[s].as_ref() else {
+        let Some(r) = self.slots[s].as_mut() else {
             return true; // cannot happen: a queued slot is occupied
         };
         // The leading run resident now (engine truth), pinned so it stays while the request runs.
-        let hits = self.cache.pin(&r.blocks);
+        r.held.clear();
+        let hits = self.cache.pin_into(&r.blocks, &mut r.held);
         let need = r.mem_blocks - hits;
         // The cache gets whatever the running requests, this one included, do not hold privately.
         if !resize(&mut self.cache, self.cfg.kv_blocks, self.private + need) {
-            if let Some(r) = self.slots[s].as_ref() {
-                self.cache.unpin(&r.blocks[..hits]);
+            if let Some(r) = self.slots[s].as_mut() {
+                self.cache.unpin_slots(&r.blocks[..hits], &r.held);
+                r.held.clear();
             }
             return false;
         }
@@ -528,17 +661,29 @@ impl Engine {
     /// Makes the prompt's full blocks resident and pins the ones that were not pinned at
     /// admission; the blocks reserved for them move into the cache.
     fn store_prompt(&mut self, s: usize) {
-        let Some(r) = self.slots[s].as_ref() else {
+        let Some(r) = self.slots[s].as_mut() else {
             return;
         };
         if self.cfg.kv_blocks.is_some() {
             self.private -= r.blocks.len() - r.hits;
             resize(&mut self.cache, self.cfg.kv_blocks, self.private);
         }
-        if self.cache.insert(&r.blocks).is_err() {
+        let mut chain = std::mem::take(&mut r.held);
+        chain.clear();
+        if self.cache.insert_into(&r.blocks, &mut chain).is_ok() {
+            // The whole prompt is resident and linked: pinning its slots from `hits` on is
+            // pinning that part of the chain.
+            self.cache.pin_slots(&chain[r.hits..]);
+        } else {
             self.inconsistent_inserts += 1;
+            self.cache.pin(&r.blocks[r.hits..]);
         }
-        self.cache.pin(&r.blocks[r.hits..]);
+        r.held = chain;
+    }
+
+    /// Releases the request's pins: its stored prompt's chain, found through its slots.
+    fn unpin_request(cache: &mut BlockCache, r: &Running) {
+        cache.unpin_slots(&r.blocks, &r.held);
     }
 
     /// The prompt is computed and the first token produced.
@@ -550,7 +695,7 @@ impl Engine {
         let (id, output) = (r.id, r.output);
         if self.cfg.pool == Pool::Prefill {
             // The prefill engine lets go of the request; its KV moves to a decode engine.
-            self.cache.unpin(&r.blocks);
+            Self::unpin_request(&mut self.cache, r);
             if self.cfg.kv_blocks.is_some() {
                 self.private -= r.mem_blocks - r.blocks.len();
                 resize(&mut self.cache, self.cfg.kv_blocks, self.private);
@@ -576,6 +721,8 @@ impl Engine {
             return;
         }
         r.decoding = true;
+        self.ahead_pos = 0;
+        self.ahead.clear();
         self.decoding += 1;
         self.context += (r.input + 1) as u64;
         self.finishing
@@ -587,10 +734,12 @@ impl Engine {
             return;
         };
         if std::mem::take(&mut r.decoding) {
+            self.ahead_pos = 0;
+            self.ahead.clear();
             self.decoding -= 1;
             self.context -= (r.input + r.output) as u64;
         }
-        self.cache.unpin(&r.blocks);
+        Self::unpin_request(&mut self.cache, r);
         if self.cfg.kv_blocks.is_some() {
             self.private -= r.mem_blocks - r.blocks.len();
             resize(&mut self.cache, self.cfg.kv_blocks, self.private);

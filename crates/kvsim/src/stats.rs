@@ -61,8 +61,21 @@ impl Summary {
 
     /// From values in microseconds, each of weight 1.
     pub(crate) fn from_us(values: impl Iterator<Item = u64>) -> Self {
-        let mut v: Vec<(u64, u64)> = values.map(|x| (x, 1)).collect();
-        Summary::weighted(&mut v)
+        // `weighted` with every weight 1, sorting plain values.
+        let mut v: Vec<u64> = values.collect();
+        if v.is_empty() {
+            return Summary::default();
+        }
+        v.sort_unstable();
+        let total = v.len() as u64;
+        let sum: f64 = v.iter().map(|&x| x as f64 * 1.0).sum();
+        let at = |q: f64| v[nearest_rank(q, total) as usize - 1] as f64 / 1e3;
+        Summary {
+            mean: sum / total as f64 / 1e3,
+            p50: at(0.50),
+            p90: at(0.90),
+            p99: at(0.99),
+        }
     }
 }
 
@@ -79,5 +92,9 @@ mod tests {
         assert_eq!((s.p50, s.p99, s.mean), (1.0, 2.0, 1.25));
         assert_eq!(Summary::from_us(std::iter::empty()), Summary::default());
         assert_eq!((nearest_rank(0.5, 0), nearest_rank(0.99, 10)), (1, 10));
+        // Plain values summarise like weight-1 samples.
+        let xs: Vec<u64> = (0..1001u64).map(|i| (i * 7919) % 1013 * 37).collect();
+        let mut w: Vec<(u64, u64)> = xs.iter().map(|&x| (x, 1)).collect();
+        assert_eq!(Summary::from_us(xs.into_iter()), Summary::weighted(&mut w));
     }
 }

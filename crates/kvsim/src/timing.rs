@@ -39,6 +39,36 @@ impl StepShape {
 pub trait TimingModel: Send + Sync {
     /// Microseconds the step takes (the simulator uses at least 1).
     fn step_us(&self, step: &StepShape) -> u64;
+
+    /// Appends to `out` the durations of `n` pure decode steps of `decode_requests` requests,
+    /// the first reading `context_tokens` and each later one `decode_requests` more (the
+    /// token each request produced). Each must equal [`step_us`](Self::step_us) of that
+    /// shape, which the provided method calls; override it only to compute the same faster.
+    fn decode_steps_us(
+        &self,
+        decode_requests: u64,
+        context_tokens: u64,
+        n: usize,
+        out: &mut Vec<u64>,
+    ) {
+        out.extend((0..n as u64).map(|k| {
+            let ctx = context_tokens.saturating_add(k.saturating_mul(decode_requests));
+            self.step_us(&StepShape::new(0, decode_requests, ctx))
+        }));
+    }
+}
+
+/// `x.round() as u64` (round half away from zero, saturating), without a libm call.
+#[inline]
+fn round_us(x: f64) -> u64 {
+    // Saturating cast: negative and NaN give 0, like `round` then the cast.
+    let t = x as u64;
+    // Exact: `x - t` for an `x` below 2^53 (above, `x` is whole and this is 0 or beyond 2^64).
+    if x - t as f64 >= 0.5 {
+        t.saturating_add(1)
+    } else {
+        t
+    }
 }
 
 /// `step_us = base + a * prefill_tokens + b * decode_requests + c * context_tokens`.
@@ -119,6 +149,110 @@ impl TimingModel for LinearTiming {
             + self.decode_us_per_request * s.decode_requests as f64
             + self.context_us_per_token * s.context_tokens as f64;
         // Round to whole microseconds: simulated time is an integer.
-        us.round() as u64
+        round_us(us)
+    }
+
+    fn decode_steps_us(
+        &self,
+        decode_requests: u64,
+        context_tokens: u64,
+        n: usize,
+        out: &mut Vec<u64>,
+    ) {
+        // The same sum as `step_us`, in the same order; its first three terms do not change.
+        let fixed = self.base_us
+            + self.prefill_us_per_token * 0.0
+            + self.decode_us_per_request * decode_requests as f64;
+        out.reserve(n);
+        let c = self.context_us_per_token;
+        // Below 2^53 every context is an exact f64, and so is each sum of them: the context can
+        // be counted in f64 (and rounded through i64) with the very same results.
+        let last = (n as u64)
+            .checked_mul(decode_requests)
+            .and_then(|d| d.checked_add(context_tokens));
+        if last.is_some_and(|l| l < 1 << 53) {
+            let (mut ctx, step) = (context_tokens as f64, decode_requests as f64);
+            for _ in 0..n {
+                let x = fixed + c * ctx;
+                let us = if (0.0..4e18).contains(&x) {
+                    let t = x as i64;
+                    (t + i64::from(x - t as f64 >= 0.5)) as u64
+                } else {
+                    round_us(x)
+                };
+                out.push(us);
+                ctx += step;
+            }
+            return;
+        }
+        let mut ctx = context_tokens;
+        for _ in 0..n {
+            out.push(round_us(fixed + c * ctx as f64));
+            ctx = ctx.saturating_add(decode_requests);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounding_matches_f64_round() {
+        let xs = [
+            0.0,
+            -0.0,
+            0.5,
+            1.5,
+            2.5,
+            0.499_999_999_999_999_94,
+            7_050.499_999_999_999,
+            -0.4,
+            -3.0,
+            f64::NAN,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            4_503_599_627_370_495.5,
+            9_007_199_254_740_993.0,
+            1.8e19,
+            1e300,
+        ];
+        for x in xs {
+            assert_eq!(round_us(x), x.round() as u64, "{x}");
+        }
+        let mut s = 0x9E37_79B9_7F4A_7C15u64;
+        for _ in 0..100_000 {
+            s = s.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            let x = f64::from_bits(s >> 2) % 1e7;
+            assert_eq!(round_us(x), x.round() as u64, "{x}");
+        }
+    }
+
+    #[test]
+    fn batched_decode_steps_equal_single_steps() {
+        for t in [
+            LinearTiming::default(),
+            LinearTiming::new(1000.0, 1.0, 0.5, 0.3),
+            LinearTiming::new(0.0, 0.0, 0.0, 0.125),
+            LinearTiming::new(0.5, 0.0, 0.0, 0.5),
+            LinearTiming::new(1e18, 0.0, 3.0, 1e6),
+            LinearTiming::new(f64::NAN, 0.0, 0.0, 1.0),
+        ] {
+            for (n, ctx) in [
+                (1, 0),
+                (7, 12_345),
+                (256, 3_000_000),
+                (3, u64::MAX - 4),
+                (1, (1 << 53) - 300),
+                (0, 17),
+            ] {
+                let mut fast = Vec::new();
+                t.decode_steps_us(n, ctx, 500, &mut fast);
+                let slow: Vec<u64> = (0..500u64)
+                    .map(|k| t.step_us(&StepShape::new(0, n, ctx.saturating_add(k * n))))
+                    .collect();
+                assert_eq!(fast, slow);
+            }
+        }
     }
 }

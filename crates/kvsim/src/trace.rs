@@ -86,68 +86,23 @@ impl Trace {
         let mut first_ms: Option<f64> = None;
         let mut last_ms = f64::NEG_INFINITY;
         // id -> (parent id, line first seen), to check that ids are prefix-chained.
-        let mut parents: HashMap<u64, (Option<u64>, usize)> = HashMap::new();
+        let mut parents = Parents::default();
+        let mut ids = Vec::new();
         for (i, raw) in text.lines().enumerate() {
             let line = i + 1;
             if raw.trim().is_empty() {
                 continue;
             }
-            let v: Value =
-                serde_json::from_str(raw).map_err(|e| err(line, format!("bad JSON: {e}")))?;
-            let obj = v
-                .as_object()
-                .ok_or_else(|| err(line, "expected a JSON object".to_string()))?;
-            let field = |k: &str| {
-                obj.get(k)
-                    .ok_or_else(|| err(line, format!("missing field {k:?}")))
+            // The common shape is read directly; anything else, or anything wrong, goes through
+            // the general JSON path, which also words the errors.
+            let fast = fast_line(raw, &mut ids).filter(|&(ms, input, output)| {
+                ms >= last_ms && input <= MAX_TOKENS && output <= MAX_TOKENS
+            });
+            let (ms, input_len, output_len) = match fast {
+                Some(x) => x,
+                None => general_line(raw, last_ms, &mut ids).map_err(|what| err(line, what))?,
             };
-            let ts = field("timestamp")?;
-            let ms = ts
-                .as_f64()
-                .filter(|t| t.is_finite() && *t >= 0.0)
-                .ok_or_else(|| {
-                    err(
-                        line,
-                        format!("timestamp: expected a number of milliseconds >= 0, got {ts}"),
-                    )
-                })?;
-            if ms < last_ms {
-                return Err(err(
-                    line,
-                    format!("timestamp {ts} goes backwards (previous line has {last_ms})"),
-                ));
-            }
             last_ms = ms;
-            let whole = |k: &str| -> Result<usize, Error> {
-                let x = field(k)?;
-                x.as_u64()
-                    .and_then(|n| usize::try_from(n).ok())
-                    .filter(|&n| n <= MAX_TOKENS)
-                    .ok_or_else(|| {
-                        err(
-                            line,
-                            format!("{k}: expected a whole number from 0 to {MAX_TOKENS}, got {x}"),
-                        )
-                    })
-            };
-            let input_len = whole("input_length")?;
-            let output_len = whole("output_length")?;
-            let ids_v = field("hash_ids")?;
-            let ids_arr = ids_v.as_array().ok_or_else(|| {
-                err(
-                    line,
-                    format!("hash_ids: expected an array of ids, got {ids_v}"),
-                )
-            })?;
-            let mut ids = Vec::with_capacity(ids_arr.len());
-            for x in ids_arr {
-                ids.push(x.as_u64().ok_or_else(|| {
-                    err(
-                        line,
-                        format!("hash_ids: expected whole numbers >= 0, got {x}"),
-                    )
-                })?);
-            }
             let allowed = block_size.blocks_for(input_len);
             if ids.len() > allowed {
                 return Err(err(
@@ -161,8 +116,8 @@ impl Trace {
             }
             let mut parent = None;
             for &id in &ids {
-                match parents.get(&id) {
-                    Some(&(p, seen)) if p != parent => {
+                match parents.get(id) {
+                    Some((p, seen)) if p != parent => {
                         return Err(err(
                             line,
                             format!(
@@ -173,9 +128,7 @@ impl Trace {
                         ));
                     }
                     Some(_) => {}
-                    None => {
-                        parents.insert(id, (parent, line));
-                    }
+                    None => parents.insert(id, parent, line),
                 }
                 parent = Some(id);
             }
@@ -264,6 +217,237 @@ impl TraceStats {
     }
 }
 
+/// Block id -> (parent id, line first seen): a table indexed by id while ids are about as dense
+/// as the Mooncake traces' (numbered from 0), a hash map beyond.
+#[derive(Debug, Default)]
+struct Parents {
+    /// Per id: 0 = unseen, 1 = first block, p + 2 = follows id p; and the line.
+    dense: Vec<(u64, usize)>,
+    sparse: HashMap<u64, (Option<u64>, usize), IdHash>,
+    count: usize,
+}
+
+impl Parents {
+    fn get(&self, id: u64) -> Option<(Option<u64>, usize)> {
+        match self.dense.get(id as usize) {
+            Some(&(p, line)) if p != 0 => Some(((p > 1).then(|| p - 2), line)),
+            // Not in the table: the map may hold it (stored before the table reached it).
+            _ if self.sparse.is_empty() => None,
+            _ => self.sparse.get(&id).copied(),
+        }
+    }
+
+    /// Records an id `get` does not know.
+    fn insert(&mut self, id: u64, parent: Option<u64>, line: usize) {
+        self.count += 1;
+        let code = match parent {
+            None => 1,
+            Some(p) => match p.checked_add(2) {
+                Some(c) => c,
+                None => {
+                    self.sparse.insert(id, (parent, line));
+                    return;
+                }
+            },
+        };
+        if id as usize >= self.dense.len()
+            && id < (self.count as u64).saturating_mul(8).max(1 << 16)
+        {
+            self.dense
+                .resize((id as usize + 1).next_power_of_two(), (0, 0));
+        }
+        match self.dense.get_mut(id as usize) {
+            Some(slot) => *slot = (code, line),
+            None => {
+                self.sparse.insert(id, (parent, line));
+            }
+        }
+    }
+}
+
+/// Hashes a trace's block ids (deterministic; ids are spread by a multiply).
+#[derive(Debug, Clone, Copy, Default)]
+struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(self.0 ^ u64::from(b));
+        }
+    }
+    fn write_u64(&mut self, x: u64) {
+        let m = u128::from(x ^ self.0) * 0x9E37_79B9_7F4A_7C15;
+        self.0 = (m as u64) ^ ((m >> 64) as u64);
+    }
+}
+
+type IdHash = std::hash::BuildHasherDefault<IdHasher>;
+
+/// Reads a line of exactly the Mooncake shape: one object with the four fields (in any order,
+/// each once, no other), whole numbers without sign, fraction or exponent, JSON whitespace.
+/// Returns (timestamp ms, input length, output length) with the ids in `ids`; `None` for any
+/// other line, which the general path then reads (to the same values, or to an error).
+fn fast_line(raw: &str, ids: &mut Vec<u64>) -> Option<(f64, usize, usize)> {
+    let b = raw.as_bytes();
+    let mut i = 0;
+    let ws = |i: &mut usize| {
+        while *i < b.len() && matches!(b[*i], b' ' | b'\t' | b'\n' | b'\r') {
+            *i += 1;
+        }
+    };
+    let num = |i: &mut usize| -> Option<u64> {
+        let start = *i;
+        let mut n: u64 = 0;
+        while *i < b.len() && b[*i].is_ascii_digit() {
+            // Wrapping: a literal too long for u64 is refused below, whatever it wrapped to.
+            n = n.wrapping_mul(10).wrapping_add(u64::from(b[*i] - b'0'));
+            *i += 1;
+        }
+        let len = *i - start;
+        // No leading zero (not JSON), and few enough digits not to overflow.
+        if len == 0 || len > 18 || (len > 1 && b[start] == b'0') {
+            return None;
+        }
+        // A fraction or an exponent: not a whole number literal.
+        if *i < b.len() && matches!(b[*i], b'.' | b'e' | b'E') {
+            return None;
+        }
+        Some(n)
+    };
+    ws(&mut i);
+    if b.get(i) != Some(&b'{') {
+        return None;
+    }
+    i += 1;
+    let (mut ts, mut input, mut output, mut have_ids) = (None, None, None, false);
+    ids.clear();
+    loop {
+        ws(&mut i);
+        if b.get(i) != Some(&b'"') {
+            return None;
+        }
+        let key_start = i + 1;
+        let key_end = key_start + b[key_start..].iter().position(|&c| c == b'"')?;
+        let key = &b[key_start..key_end];
+        i = key_end + 1;
+        ws(&mut i);
+        if b.get(i) != Some(&b':') {
+            return None;
+        }
+        i += 1;
+        ws(&mut i);
+        let slot = match key {
+            b"timestamp" => &mut ts,
+            b"input_length" => &mut input,
+            b"output_length" => &mut output,
+            b"hash_ids" => {
+                if std::mem::replace(&mut have_ids, true) || b.get(i) != Some(&b'[') {
+                    return None;
+                }
+                i += 1;
+                ws(&mut i);
+                if b.get(i) == Some(&b']') {
+                    i += 1;
+                } else {
+                    loop {
+                        ids.push(num(&mut i)?);
+                        ws(&mut i);
+                        match b.get(i) {
+                            Some(b',') => {
+                                i += 1;
+                                ws(&mut i);
+                            }
+                            Some(b']') => {
+                                i += 1;
+                                break;
+                            }
+                            _ => return None,
+                        }
+                    }
+                }
+                ws(&mut i);
+                match b.get(i) {
+                    Some(b',') => {
+                        i += 1;
+                        continue;
+                    }
+                    Some(b'}') => break,
+                    _ => return None,
+                }
+            }
+            _ => return None,
+        };
+        if slot.is_some() {
+            return None;
+        }
+        *slot = Some(num(&mut i)?);
+        ws(&mut i);
+        match b.get(i) {
+            Some(b',') => i += 1,
+            Some(b'}') => break,
+            _ => return None,
+        }
+    }
+    i += 1;
+    ws(&mut i);
+    if i != b.len() || !have_ids {
+        return None;
+    }
+    Some((
+        ts? as f64,
+        usize::try_from(input?).ok()?,
+        usize::try_from(output?).ok()?,
+    ))
+}
+
+/// Reads any line through JSON values: (timestamp ms, input length, output length) and the
+/// ids in `ids`, or what is wrong with the line.
+fn general_line(
+    raw: &str,
+    last_ms: f64,
+    ids: &mut Vec<u64>,
+) -> Result<(f64, usize, usize), String> {
+    let v: Value = serde_json::from_str(raw).map_err(|e| format!("bad JSON: {e}"))?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| "expected a JSON object".to_string())?;
+    let field = |k: &str| obj.get(k).ok_or_else(|| format!("missing field {k:?}"));
+    let ts = field("timestamp")?;
+    let ms = ts
+        .as_f64()
+        .filter(|t| t.is_finite() && *t >= 0.0)
+        .ok_or_else(|| format!("timestamp: expected a number of milliseconds >= 0, got {ts}"))?;
+    if ms < last_ms {
+        return Err(format!(
+            "timestamp {ts} goes backwards (previous line has {last_ms})"
+        ));
+    }
+    let whole = |k: &str| -> Result<usize, String> {
+        let x = field(k)?;
+        x.as_u64()
+            .and_then(|n| usize::try_from(n).ok())
+            .filter(|&n| n <= MAX_TOKENS)
+            .ok_or_else(|| format!("{k}: expected a whole number from 0 to {MAX_TOKENS}, got {x}"))
+    };
+    let input_len = whole("input_length")?;
+    let output_len = whole("output_length")?;
+    let ids_v = field("hash_ids")?;
+    let ids_arr = ids_v
+        .as_array()
+        .ok_or_else(|| format!("hash_ids: expected an array of ids, got {ids_v}"))?;
+    ids.clear();
+    for x in ids_arr {
+        ids.push(
+            x.as_u64()
+                .ok_or_else(|| format!("hash_ids: expected whole numbers >= 0, got {x}"))?,
+        );
+    }
+    Ok((ms, input_len, output_len))
+}
+
 fn show(id: Option<u64>) -> String {
     id.map_or_else(
         || "nothing (first block)".to_string(),
@@ -321,4 +505,81 @@ pub struct TraceStats {
     pub ideal_hit_rate_full_blocks: f64,
     /// The same over every id, partial last blocks included.
     pub ideal_hit_rate_all_ids: f64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Wherever the direct reader accepts a line, it reads what the JSON path reads.
+    #[test]
+    fn fast_lines_read_like_json() {
+        let lines = [
+            r#"{"timestamp": 0, "input_length": 6758, "output_length": 500, "hash_ids": [0, 1, 2]}"#,
+            r#"{"hash_ids":[],"output_length":1,"input_length":0,"timestamp":12}"#,
+            " \t{ \"timestamp\" : 7 , \"input_length\" : 10 , \"output_length\" : 2 , \"hash_ids\" : [ 5 ] } \r",
+            r#"{"timestamp": 1.5, "input_length": 1, "output_length": 1, "hash_ids": []}"#,
+            r#"{"timestamp": 1e3, "input_length": 1, "output_length": 1, "hash_ids": []}"#,
+            r#"{"timestamp": 01, "input_length": 1, "output_length": 1, "hash_ids": []}"#,
+            r#"{"timestamp": -1, "input_length": 1, "output_length": 1, "hash_ids": []}"#,
+            r#"{"timestamp": 3, "input_length": 1, "output_length": 1, "hash_ids": [], "x": 1}"#,
+            r#"{"timestamp": 3, "timestamp": 4, "input_length": 1, "output_length": 1, "hash_ids": []}"#,
+            r#"{"timestamp": 3, "input_length": 1, "output_length": 1}"#,
+            r#"{"timestamp": 3, "input_length": 1, "output_length": 1, "hash_ids": [1,]}"#,
+            r#"{"timestamp": 3, "input_length": 1, "output_length": 1, "hash_ids": [1 2]}"#,
+            r#"{"timestamp": 3, "input_length": 1, "output_length": 1, "hash_ids": [1]} x"#,
+            r#"{"timestamp": 3, "input_length": 1, "output_length": 1, "hash_ids": [1]}}"#,
+            r#"{"timestamp": 3, "input_length": 1, "output_length": 1, "hash_ids": [1.0]}"#,
+            r#"{"timestamp": 123456789012345678, "input_length": 1, "output_length": 1, "hash_ids": [18446744073709551615]}"#,
+            r#"{"timestamp": 9, "input_length": 1, "output_length": 1, "hash_ids": [0, 00]}"#,
+            r#"{"time\u0073tamp": 9, "input_length": 1, "output_length": 1, "hash_ids": []}"#,
+            r#"[1, 2]"#,
+            r#"{"timestamp": 3, "input_length": 16777217, "output_length": 1, "hash_ids": []}"#,
+        ];
+        let mut accepted = 0;
+        for raw in lines {
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            // `parse` also sends lengths beyond MAX_TOKENS to the JSON path.
+            let fast = fast_line(raw, &mut a).filter(|x| x.1 <= MAX_TOKENS && x.2 <= MAX_TOKENS);
+            let general = general_line(raw, f64::NEG_INFINITY, &mut b);
+            if let Some(x) = fast {
+                accepted += 1;
+                assert_eq!(general, Ok(x), "{raw}");
+                assert_eq!(a, b, "{raw}");
+            }
+        }
+        assert_eq!(accepted, 3);
+    }
+
+    /// The id table answers like a plain map, dense, sparse and huge ids mixed.
+    #[test]
+    fn parents_table_is_a_map() {
+        let mut t = Parents::default();
+        let mut model: HashMap<u64, (Option<u64>, usize)> = HashMap::new();
+        let mut x = 7u64;
+        for line in 0..20_000usize {
+            x = x
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            let id = match x >> 62 {
+                0 => x >> 48,
+                1 => (x >> 8) % 300_000,
+                2 => u64::MAX - (x >> 60),
+                _ => line as u64,
+            };
+            let parent = match (x >> 20) % 4 {
+                0 => None,
+                1 => Some(u64::MAX - 1),
+                _ => Some(x >> 40),
+            };
+            assert_eq!(t.get(id), model.get(&id).copied(), "{id}");
+            if t.get(id).is_none() {
+                t.insert(id, parent, line);
+                model.insert(id, (parent, line));
+            }
+        }
+        for (&id, &v) in &model {
+            assert_eq!(t.get(id), Some(v));
+        }
+    }
 }
