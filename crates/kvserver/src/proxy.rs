@@ -107,7 +107,7 @@ async fn completions(State(server): State<Arc<Server>>, body: Body413) -> Respon
         Err(e) => return e.into_response(),
     };
     match tokenize::prompt_tokens(&req, |t| encode(&server, t, true)) {
-        Ok(tokens) => forward(server, "/v1/completions", body, &tokens).await,
+        Ok(tokens) => forward(server, "/v1/completions", body, &tokens, salt_of(&req)).await,
         Err(e) => bad(e),
     }
 }
@@ -126,7 +126,7 @@ async fn chat(State(server): State<Arc<Server>>, body: Body413) -> Response {
     };
     let tokens = tokenize::chat_text(template, &req).and_then(|t| encode(&server, &t, false));
     match tokens {
-        Ok(tokens) => forward(server, "/v1/chat/completions", body, &tokens).await,
+        Ok(tokens) => forward(server, "/v1/chat/completions", body, &tokens, salt_of(&req)).await,
         Err(e) => bad(e),
     }
 }
@@ -146,14 +146,41 @@ impl Drop for Finish {
 
 /// Routes `tokens`, forwards `body` to the winner and streams its response back. A worker that
 /// refuses the connection is marked down and the next-best one is tried.
-async fn forward(server: Arc<Server>, path: &str, body: Bytes, tokens: &[u32]) -> Response {
+/// The request's `cache_salt` (vLLM's field: it keys the first block, so only requests with the
+/// same salt share cached blocks).
+fn salt_of(req: &Map<String, Value>) -> Option<String> {
+    req.get("cache_salt")
+        .and_then(Value::as_str)
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+}
+
+async fn forward(
+    server: Arc<Server>,
+    path: &str,
+    body: Bytes,
+    tokens: &[u32],
+    cache_salt: Option<String>,
+) -> Response {
+    let keys = match &cache_salt {
+        None => Vec::new(),
+        Some(salt) => kvblock::vllm_extra_keys(
+            kvblock::BlockSize::new(server.cfg.block_size).unwrap_or_default(),
+            tokens.len(),
+            &[],
+            Some(salt),
+        ),
+    };
     for _ in 0..server.workers().len().max(1) {
         let id = server.next_request_id();
         let started = Instant::now();
-        let decision = server
-            .mirror()
-            .router
-            .route_tokens(id, tokens, Role::Unified);
+        let decision = server.mirror().router.route_tokens_keyed(
+            id,
+            tokens,
+            &kvroute::Salt::default(),
+            &keys,
+            Role::Unified,
+        );
         server.observe_route(started.elapsed().as_micros() as u64);
         let d = match decision {
             Ok(d) => d,

@@ -70,6 +70,13 @@ fn routes_by_the_engines_events_and_streams_back() {
     assert_eq!(models["data"][0]["id"], "mock", "{models}");
     let names = [a.name(), b.name()];
     assert!(names.contains(&first));
+
+    // A cache salt keys the first block (as vLLM does): the salted prompt is not a hit.
+    let salted = serde_json::json!({"prompt": prompt, "max_tokens": 1, "cache_salt": "tenant-7"});
+    let (status, body) = server.post("/v1/completions", &salted.to_string());
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(server.metric("kvserver_cache_hit_blocks_total"), 4.0);
+    assert_eq!(server.metric("kvserver_request_blocks_total"), 13.0);
 }
 
 #[test]
