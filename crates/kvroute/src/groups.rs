@@ -9,8 +9,11 @@
 //! so a removal in one group never drops another group's copy.
 //!
 //! The hit, as vLLM's hybrid coordinator computes it: start from the primary group's leading run
-//! (or, for a worker with no primary group, every block of the request), then let each group cut
-//! it to the longest prefix it can serve, and repeat until no group cuts further:
+//! (or, for a worker with no primary group, every block of the request), at most the blocks
+//! before the prompt's last token when the router hashed the tokens itself
+//! ([`Router::route_tokens`](crate::Router::route_tokens): the engine always recomputes that
+//! token), then let each group cut it to the longest prefix it can serve, and repeat until no
+//! group cuts further:
 //!
 //! - [`GroupRule::FullAttention`]: every block before the hit point is resident (a leading run);
 //! - [`GroupRule::SlidingWindow`]: only the `ceil((window - 1) / block_size)` blocks just before
@@ -228,7 +231,14 @@ impl Groups {
     }
 
     /// Replaces each grouped worker's run in `out` with the hit every group can serve.
-    pub(crate) fn cut(&self, index: &CacheIndex, chain: &[BlockHash], out: &mut Overlaps) {
+    /// No hit exceeds `cap` blocks (the engine's own cap: all but the last prompt token).
+    pub(crate) fn cut(
+        &self,
+        index: &CacheIndex,
+        chain: &[BlockHash],
+        cap: usize,
+        out: &mut Overlaps,
+    ) {
         for (&worker, w) in &self.workers {
             let Some(i) = index.worker_index(worker) else {
                 continue;
@@ -238,7 +248,7 @@ impl Groups {
             } else {
                 chain.len()
             };
-            let mut hit = start;
+            let mut hit = start.min(cap);
             loop {
                 let before = hit;
                 for g in w.values() {

@@ -196,6 +196,7 @@ impl RouterBuilder {
             tombstones: Map::default(),
             outbox: Vec::new(),
             next_delta: 0,
+            group_cap: None,
         })
     }
 }
@@ -266,6 +267,8 @@ pub struct Router {
     /// This replica's deltas not yet drained.
     outbox: Vec<LoadDelta>,
     next_delta: u64,
+    /// The hit cap of the request `route_hashed` is routing, for the cache groups' rule.
+    group_cap: Option<usize>,
 }
 
 /// Another replica's request in flight on one of our workers.
@@ -595,6 +598,8 @@ impl Router {
         blocks: &[BlockHash],
         role: Role,
     ) -> Result<Decision, Error> {
+        // Set by `route_hashed` for this call only.
+        let cap = self.group_cap.take();
         if self.members.is_empty() {
             return Err(Error::NoWorkers);
         }
@@ -604,8 +609,10 @@ impl Router {
         let weight = self.weight(role);
         let n = blocks.len();
         self.index.overlaps_into(blocks, &mut self.overlaps);
+        let cap = cap.unwrap_or(n);
         if !self.groups.is_empty() {
-            self.groups.cut(&self.index, blocks, &mut self.overlaps);
+            self.groups
+                .cut(&self.index, blocks, cap, &mut self.overlaps);
         }
         let chosen = match self.config.policy {
             Policy::Kv => self.lowest_cost(weight, n),
@@ -749,6 +756,9 @@ impl Router {
         let mut blocks = std::mem::take(&mut self.scratch);
         blocks.clear();
         hasher.sequence_hashes_keyed_into(None, tokens, keys, &mut blocks);
+        // The engine recomputes at least the last token: its hit covers at most len - 1 tokens,
+        // which matters to the groups whose rule looks at the blocks just before the hit point.
+        self.group_cap = Some(tokens.len().saturating_sub(1) / self.config.block_size.get());
         let d = self.route(request_id, &blocks, role);
         self.scratch = blocks;
         d
@@ -912,7 +922,7 @@ impl Router {
     /// Every worker's hits, load and cost for a request, in worker-id order, without routing it.
     pub fn explain(&self, blocks: &[BlockHash], role: Role) -> Vec<Candidate> {
         let mut ov = self.index.overlaps(blocks);
-        self.groups.cut(&self.index, blocks, &mut ov);
+        self.groups.cut(&self.index, blocks, blocks.len(), &mut ov);
         let weight = self.weight(role);
         self.members
             .iter()

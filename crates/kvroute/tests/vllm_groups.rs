@@ -77,6 +77,16 @@ fn a_sliding_window_eviction_keeps_the_full_attention_hits() {
         apply(&mut r, &mut ingest, payload);
         // Group 0 holds all 16 blocks; group 1 holds the 8 its window needs: the engine serves 16.
         assert_eq!(hits(&r, &toks(0, 256))[&W0], 16, "{shape}");
+        // Routed by tokens: a follow-up turn reuses all 16 blocks; an exact repeat of the 256
+        // tokens reuses at most 15 (the last token is recomputed), whose window lost block 7.
+        let mut route = |id: u64, n: u32| {
+            let d = r
+                .route_tokens(RequestId::new(id), &toks(0, n), Role::Unified)
+                .unwrap();
+            r.finish(RequestId::new(id)).unwrap();
+            d.cache_hits
+        };
+        assert_eq!((route(1, 304), route(2, 256)), (16, 0), "{shape}");
         assert_eq!((r.cache_view(W0), r.group_view(W0, 1)), (16, Some(8)));
         let sw = CacheGroup::new(
             GroupRule::SlidingWindow { window_tokens: 128 },
@@ -114,6 +124,13 @@ fn a_state_space_group_at_its_own_block_size_is_tracked_not_rejected() {
         assert_eq!(hits(&r, &toks(0, 128))[&W0], 4, "{shape}");
         // A 7-block request: the group's states sit at 4 and 8 router blocks, so 4.
         assert_eq!(hits(&r, &toks(0, 112))[&W0], 4, "{shape}");
+        // Routed by its tokens, a 128-token prompt can reuse at most 127 tokens, as in vLLM: the
+        // state at 64 tokens is the last one before that, so 4 (it was at 128 before the removal).
+        let d = r
+            .route_tokens(RequestId::new(9), &toks(0, 128), Role::Unified)
+            .unwrap();
+        assert_eq!(d.cache_hits, 4, "{shape}");
+        r.finish(RequestId::new(9)).unwrap();
     }
 }
 

@@ -37,6 +37,19 @@ pub async fn follow(server: Arc<Server>, worker: Arc<Worker>) {
 
 /// Applies one multipart message, first replaying what a sequence gap says was missed.
 pub async fn on_message(server: &Server, worker: &Worker, frames: &[Bytes]) {
+    if let [_, seq, _] = frames {
+        if let Ok(seq) = parse_seq_frame(seq) {
+            let mut m = server.mirror();
+            if seq != 0 && seq < m.ingest.next_seq(worker.id) {
+                // A live publisher never sends a number twice: it restarted, and its batch 0
+                // was missed (a subscription still reconnecting). Start its mirror afresh.
+                let m = &mut *m;
+                m.router.clear_worker(worker.id);
+                m.ingest.forget_worker(worker.id);
+                server.counters.restarts.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
     if let (Some(replay), [_, seq, _]) = (&worker.spec.replay, frames) {
         if let Ok(seq) = parse_seq_frame(seq) {
             let expected = server.mirror().ingest.next_seq(worker.id);

@@ -97,7 +97,11 @@ fn body_of(server: &Server, body: Body413) -> Result<Bytes, ApiError> {
     })
 }
 
-async fn completions(State(server): State<Arc<Server>>, body: Body413) -> Response {
+async fn completions(
+    State(server): State<Arc<Server>>,
+    headers: header::HeaderMap,
+    body: Body413,
+) -> Response {
     let body = match body_of(&server, body) {
         Ok(b) => b,
         Err(e) => return e.into_response(),
@@ -107,12 +111,26 @@ async fn completions(State(server): State<Arc<Server>>, body: Body413) -> Respon
         Err(e) => return e.into_response(),
     };
     match tokenize::prompt_tokens(&req, |t| encode(&server, t, true)) {
-        Ok(tokens) => forward(server, "/v1/completions", body, &tokens, salt_of(&req)).await,
+        Ok(tokens) => {
+            forward(
+                server,
+                "/v1/completions",
+                body,
+                headers.get(header::AUTHORIZATION),
+                &tokens,
+                salt_of(&req),
+            )
+            .await
+        }
         Err(e) => bad(e),
     }
 }
 
-async fn chat(State(server): State<Arc<Server>>, body: Body413) -> Response {
+async fn chat(
+    State(server): State<Arc<Server>>,
+    headers: header::HeaderMap,
+    body: Body413,
+) -> Response {
     let body = match body_of(&server, body) {
         Ok(b) => b,
         Err(e) => return e.into_response(),
@@ -126,7 +144,17 @@ async fn chat(State(server): State<Arc<Server>>, body: Body413) -> Response {
     };
     let tokens = tokenize::chat_text(template, &req).and_then(|t| encode(&server, &t, false));
     match tokens {
-        Ok(tokens) => forward(server, "/v1/chat/completions", body, &tokens, salt_of(&req)).await,
+        Ok(tokens) => {
+            forward(
+                server,
+                "/v1/chat/completions",
+                body,
+                headers.get(header::AUTHORIZATION),
+                &tokens,
+                salt_of(&req),
+            )
+            .await
+        }
         Err(e) => bad(e),
     }
 }
@@ -159,6 +187,7 @@ async fn forward(
     server: Arc<Server>,
     path: &str,
     body: Bytes,
+    auth: Option<&header::HeaderValue>,
     tokens: &[u32],
     cache_salt: Option<String>,
 ) -> Response {
@@ -206,15 +235,13 @@ async fn forward(
         let Some(worker) = server.worker(d.worker) else {
             continue;
         };
-        let c = &server.counters;
-        c.request_blocks
-            .fetch_add(d.request_blocks as u64, Ordering::Relaxed);
-        c.hit_blocks
-            .fetch_add(d.cache_hits as u64, Ordering::Relaxed);
         log::decision(&worker, &d);
-        let req = hyper::Request::post(format!("{}{path}", worker.spec.url))
-            .header(header::CONTENT_TYPE, "application/json")
-            .body(Full::new(body.clone()));
+        let mut req = hyper::Request::post(format!("{}{path}", worker.spec.url))
+            .header(header::CONTENT_TYPE, "application/json");
+        if let Some(auth) = auth {
+            req = req.header(header::AUTHORIZATION, auth.clone());
+        }
+        let req = req.body(Full::new(body.clone()));
         let req = match req {
             Ok(r) => r,
             Err(e) => return bad(format!("cannot forward the request: {e}")),
@@ -222,17 +249,31 @@ async fn forward(
         match server.client.request(req).await {
             Ok(resp) => {
                 worker.routed.fetch_add(1, Ordering::Relaxed);
+                let c = &server.counters;
+                c.request_blocks
+                    .fetch_add(d.request_blocks as u64, Ordering::Relaxed);
+                c.hit_blocks
+                    .fetch_add(d.cache_hits as u64, Ordering::Relaxed);
                 server.set_down(&worker, false);
                 return stream_back(resp, guard, worker);
             }
-            Err(e) => {
+            Err(e) if e.is_connect() => {
                 worker.upstream_errors.fetch_add(1, Ordering::Relaxed);
                 eprintln!(
-                    "kvserver: worker {} refused the request: {e}",
+                    "kvserver: worker {} refused the connection: {e}",
                     worker.spec.name
                 );
                 drop(guard);
                 server.set_down(&worker, true);
+            }
+            // Sent, perhaps in part: running it again elsewhere could run it twice.
+            Err(e) => {
+                worker.upstream_errors.fetch_add(1, Ordering::Relaxed);
+                return error(
+                    StatusCode::BAD_GATEWAY,
+                    "BadGatewayError",
+                    format!("worker {} failed the request: {e}", worker.spec.name),
+                );
             }
         }
     }
@@ -360,8 +401,9 @@ async fn cache_view(State(server): State<Arc<Server>>, Path(name): Path<String>)
 }
 
 async fn workers(State(server): State<Arc<Server>>) -> Response {
-    let m = server.mirror();
+    // The worker list first: add/remove take it before the mirror, so never the other way round.
     let all = server.workers();
+    let m = server.mirror();
     let list: Vec<Value> = all
         .iter()
         .map(|w| {

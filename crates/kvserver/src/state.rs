@@ -60,6 +60,8 @@ pub struct Counters {
     pub batches_rejected: AtomicU64,
     /// Batches that followed missed ones.
     pub gaps: AtomicU64,
+    /// Publisher restarts seen without their batch 0 (the mirror was started afresh).
+    pub restarts: AtomicU64,
     /// Replay requests sent.
     pub replays: AtomicU64,
     /// Batches obtained by replay and applied.
@@ -219,8 +221,11 @@ impl Server {
 
     /// Marks a worker down (routing skips it) or up again.
     pub fn set_down(&self, w: &Worker, down: bool) {
+        // Under the mirror's lock, so the flag and the router never disagree.
+        let mut m = self.mirror();
         if w.down.swap(down, Ordering::Relaxed) != down {
-            self.mirror().router.set_routable(w.id, !down);
+            m.router.set_routable(w.id, !down);
+            drop(m);
             eprintln!(
                 "kvserver: worker {} is {}",
                 w.spec.name,
@@ -275,6 +280,11 @@ impl Server {
             "kvserver_kv_gaps_total",
             "KV-event batches that followed missed ones.",
             get(&c.gaps),
+        );
+        counter(
+            "kvserver_kv_restarts_total",
+            "Publisher restarts seen after a missed batch 0 (the worker's mirror started afresh).",
+            get(&c.restarts),
         );
         counter(
             "kvserver_kv_replays_total",

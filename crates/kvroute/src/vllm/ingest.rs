@@ -42,9 +42,10 @@ pub struct IngestSummary {
     pub gap: Option<(u64, u64)>,
     /// The publisher restarted (sequence number 0 again): the worker was cleared first.
     pub restarted: bool,
-    /// Blocks of cache groups the router cannot track (a block size that is not a multiple of
-    /// the router's, or extra keys on a group with larger blocks): accepted and counted; they
-    /// do not limit the worker's hits.
+    /// Blocks the router cannot track: those of a group whose block size is not a multiple of
+    /// the router's (accepted and counted; that group does not limit the worker's hits), and
+    /// blocks with extra keys in a group of larger blocks (counted; left out of that group, so
+    /// it serves no hit through them).
     pub untracked_blocks: usize,
     /// `BlockStored` events whose `kv_cache_spec_kind` the router does not know (or a sliding
     /// window without its size): treated as full attention.
