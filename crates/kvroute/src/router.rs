@@ -493,8 +493,14 @@ impl Router {
     /// let sw = CacheGroup::new(GroupRule::SlidingWindow { window_tokens: 9 }, bs);
     /// router.apply_group_event(w, 1, sw, &KvEvent::Stored { parent: None, blocks: blocks.clone() })?;
     /// router.apply_group_event(w, 1, sw, &KvEvent::Removed { blocks: blocks[..6].to_vec() })?;
-    /// let d = router.route_tokens(RequestId::new(1), &tokens, Role::Unified)?;
-    /// assert_eq!(d.cache_hits, 8); // the window before block 8 is resident
+    /// // A follow-up turn (4 more tokens): the window before block 8 is resident, so 8 hits.
+    /// let next: Vec<u32> = (0..36).collect();
+    /// let d = router.route_tokens(RequestId::new(1), &next, Role::Unified)?;
+    /// assert_eq!(d.cache_hits, 8);
+    /// // The same 32 tokens again: the engine reuses at most 31 of them, and the window before
+    /// // block 7 lost block 5, so nothing.
+    /// let again = router.route_tokens(RequestId::new(2), &tokens, Role::Unified)?;
+    /// assert_eq!(again.cache_hits, 0);
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn apply_group_event(

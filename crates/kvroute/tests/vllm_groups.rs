@@ -135,6 +135,37 @@ fn a_state_space_group_at_its_own_block_size_is_tracked_not_rejected() {
 }
 
 #[test]
+fn a_window_group_store_may_chain_on_a_parent_only_the_full_group_holds() {
+    let (mut r, mut ingest) = (router(), VllmIngest::new());
+    let h = |i: u64| EngineHash::Int(4000 + i);
+    let full = BlockStored::new((1..=8).map(h).collect(), None, toks(0, 128), 16).in_group(
+        0,
+        "full_attention",
+        None,
+    );
+    // The window group stores only the second half, chained on block 8 (hash h(8)).
+    let sw = BlockStored::new((9..=16).map(h).collect(), Some(h(8)), toks(128, 128), 16).in_group(
+        1,
+        "sliding_window",
+        Some(128),
+    );
+    let full2 = BlockStored::new((9..=16).map(h).collect(), Some(h(8)), toks(128, 128), 16)
+        .in_group(0, "full_attention", None);
+    let batch = EventBatch::new(
+        0.0,
+        vec![
+            EngineEvent::BlockStored(full),
+            EngineEvent::BlockStored(sw),
+            EngineEvent::BlockStored(full2),
+        ],
+    );
+    let s = ingest.apply_batch(&mut r, W0, None, &batch).unwrap();
+    assert_eq!((s.unknown_parents, s.blocks_stored), (0, 24), "{s:?}");
+    assert_eq!(r.group_view(W0, 1), Some(8));
+    assert_eq!(hits(&r, &toks(0, 256))[&W0], 16);
+}
+
+#[test]
 fn a_group_at_a_block_size_that_does_not_divide_is_counted() {
     let (mut r, mut ingest) = (router(), VllmIngest::new());
     let full = BlockStored::new(

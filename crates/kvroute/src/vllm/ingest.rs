@@ -213,6 +213,9 @@ impl VllmIngest {
             out.blocks_cleared += router.clear_worker(worker);
             feed.blocks.clear();
             feed.refs.clear();
+            // A restarted engine may serve another model: its groups are learned again.
+            feed.groups.clear();
+            feed.primary = None;
             feed.skip_id = false;
         }
         feed.next_seq = seq.saturating_add(1);
@@ -446,7 +449,13 @@ fn store(
     }
     let parent = match &st.parent_block_hash {
         None => None,
-        Some(h) => match feed.blocks.get(&(key, h.clone())) {
+        // The parent in this group or, for a group at the router's block size, in the index's
+        // group: vLLM names a block by the same hash in every group, and a sliding-window or
+        // Mamba group may have evicted (or never kept) a parent the full-attention group holds.
+        Some(h) => match feed.blocks.get(&(key, h.clone())).or_else(|| {
+            let primary = feed.primary.filter(|_| factor == 1)?;
+            feed.blocks.get(&(primary, h.clone()))
+        }) {
             Some(&p) => Some(p),
             None => {
                 out.unknown_parents += 1;
