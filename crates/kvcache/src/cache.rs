@@ -337,6 +337,12 @@ impl BlockCache {
     /// that is not resident or that the cache holds under another parent (a chain that repeats a
     /// block, say).
     pub fn pin(&mut self, chain: &[BlockHash]) -> usize {
+        self.pin_walk(chain, |_| {})
+    }
+
+    /// The walk of [`pin`](Self::pin), telling `pinned` each slot it pins, in chain order.
+    #[inline]
+    fn pin_walk(&mut self, chain: &[BlockHash], mut pinned: impl FnMut(u32)) -> usize {
         let mut prev = None;
         let mut n = 0;
         for h in chain {
@@ -344,6 +350,7 @@ impl BlockCache {
                 Some(s) if prev.is_none_or(|p| self.slots[s as usize].parent == p) => {
                     self.pin_slot(s);
                     self.set_hint(prev.unwrap_or(NIL), s);
+                    pinned(s);
                     prev = Some(s);
                     n += 1;
                 }
@@ -395,21 +402,7 @@ impl BlockCache {
 
     /// [`pin`](Self::pin), also appending the pinned blocks' slots to `out`, in chain order.
     pub fn pin_into(&mut self, chain: &[BlockHash], out: &mut Vec<SlotId>) -> usize {
-        let mut prev = None;
-        let mut n = 0;
-        for h in chain {
-            match self.find(prev.unwrap_or(NIL), h) {
-                Some(s) if prev.is_none_or(|p| self.slots[s as usize].parent == p) => {
-                    self.pin_slot(s);
-                    self.set_hint(prev.unwrap_or(NIL), s);
-                    out.push(SlotId(s));
-                    prev = Some(s);
-                    n += 1;
-                }
-                _ => break,
-            }
-        }
-        n
+        self.pin_walk(chain, |s| out.push(SlotId(s)))
     }
 
     /// [`insert`](Self::insert), also appending, when it succeeds, the slots of the whole

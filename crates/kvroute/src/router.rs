@@ -332,11 +332,7 @@ impl Router {
 
     /// Registers a worker; returns false if it was already registered.
     pub fn add_worker(&mut self, worker: WorkerId) -> bool {
-        if self
-            .index
-            .worker_index(worker)
-            .is_some_and(|i| self.is_member(i))
-        {
+        if self.member_index(worker).is_some() {
             return false;
         }
         self.register(worker)
@@ -370,11 +366,7 @@ impl Router {
     /// Removes a worker from the ring, the index and the load tracker; returns whether it was
     /// registered. Its in-flight requests may still be finished (a no-op for its load).
     pub fn remove_worker(&mut self, worker: WorkerId) -> bool {
-        let Some(i) = self
-            .index
-            .worker_index(worker)
-            .filter(|&i| self.is_member(i))
-        else {
+        let Some(i) = self.member_index(worker) else {
             return false;
         };
         self.index.remove_worker(worker);
@@ -409,11 +401,7 @@ impl Router {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn set_routable(&mut self, worker: WorkerId, routable: bool) -> bool {
-        let Some(i) = self
-            .index
-            .worker_index(worker)
-            .filter(|&i| self.is_member(i))
-        else {
+        let Some(i) = self.member_index(worker) else {
             return false;
         };
         let listed = self.members.contains(&i);
@@ -436,6 +424,13 @@ impl Router {
         self.slots.get(i).is_some_and(Option::is_some)
     }
 
+    /// The dense index of a registered worker.
+    fn member_index(&self, worker: WorkerId) -> Option<usize> {
+        self.index
+            .worker_index(worker)
+            .filter(|&i| self.is_member(i))
+    }
+
     /// Registered workers, in id order.
     pub fn workers(&self) -> Vec<WorkerId> {
         self.members
@@ -455,8 +450,8 @@ impl Router {
         event_id: u64,
         event: &KvEvent,
     ) -> Result<Applied, Error> {
-        match self.index.worker_index(worker) {
-            Some(i) if self.is_member(i) => {
+        match self.member_index(worker) {
+            Some(i) => {
                 let applied = self.index.apply(worker, event_id, event)?;
                 if matches!(event, KvEvent::Stored { .. }) {
                     self.groups.primary_stored(i);
@@ -510,8 +505,8 @@ impl Router {
         spec: CacheGroup,
         event: &KvEvent,
     ) -> Result<Applied, Error> {
-        match self.index.worker_index(worker) {
-            Some(i) if self.is_member(i) => {
+        match self.member_index(worker) {
+            Some(_) => {
                 let bs = self.config.block_size;
                 self.groups.apply(worker, group, spec, bs, event)
             }
@@ -761,7 +756,11 @@ impl Router {
     ) -> Result<Decision, Error> {
         let mut blocks = std::mem::take(&mut self.scratch);
         blocks.clear();
-        hasher.sequence_hashes_keyed_into(None, tokens, keys, &mut blocks);
+        if keys.is_empty() {
+            hasher.sequence_hashes_into(None, tokens, &mut blocks);
+        } else {
+            hasher.sequence_hashes_keyed_into(None, tokens, keys, &mut blocks);
+        }
         // The engine recomputes at least the last token: its hit covers at most len - 1 tokens,
         // which matters to the groups whose rule looks at the blocks just before the hit point.
         self.group_cap = Some(tokens.len().saturating_sub(1) / self.config.block_size.get());
@@ -852,11 +851,7 @@ impl Router {
                 if self.remote.contains_key(&key) || self.tombstones.contains_key(&key) {
                     return false;
                 }
-                let Some(i) = self
-                    .index
-                    .worker_index(*worker)
-                    .filter(|&i| self.is_member(i))
-                else {
+                let Some(i) = self.member_index(*worker) else {
                     return false;
                 };
                 let Some(load) = self.slots[i].as_mut() else {

@@ -97,16 +97,19 @@ fn body_of(server: &Server, body: Body413) -> Result<Bytes, ApiError> {
     })
 }
 
+/// The body and its JSON object, or the error answer.
+fn request_of(server: &Server, body: Body413) -> Result<(Bytes, Map<String, Value>), ApiError> {
+    let body = body_of(server, body)?;
+    let req = parse(&body)?;
+    Ok((body, req))
+}
+
 async fn completions(
     State(server): State<Arc<Server>>,
     headers: header::HeaderMap,
     body: Body413,
 ) -> Response {
-    let body = match body_of(&server, body) {
-        Ok(b) => b,
-        Err(e) => return e.into_response(),
-    };
-    let req = match parse(&body) {
+    let (body, req) = match request_of(&server, body) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
@@ -131,11 +134,7 @@ async fn chat(
     headers: header::HeaderMap,
     body: Body413,
 ) -> Response {
-    let body = match body_of(&server, body) {
-        Ok(b) => b,
-        Err(e) => return e.into_response(),
-    };
-    let req = match parse(&body) {
+    let (body, req) = match request_of(&server, body) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };

@@ -256,46 +256,18 @@ impl Server {
                 "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
             );
         };
-        counter(
-            "kvserver_request_blocks_total",
-            "Full prompt blocks of routed requests.",
-            get(&c.request_blocks),
-        );
-        counter(
-            "kvserver_cache_hit_blocks_total",
-            "Prompt blocks the router predicted cached on the chosen worker.",
-            get(&c.hit_blocks),
-        );
-        counter(
-            "kvserver_kv_batches_applied_total",
-            "KV-event batches applied.",
-            get(&c.batches_applied),
-        );
-        counter(
-            "kvserver_kv_batches_rejected_total",
-            "KV-event batches rejected (malformed, invalid or replayed).",
-            get(&c.batches_rejected),
-        );
-        counter(
-            "kvserver_kv_gaps_total",
-            "KV-event batches that followed missed ones.",
-            get(&c.gaps),
-        );
-        counter(
-            "kvserver_kv_restarts_total",
-            "Publisher restarts seen after a missed batch 0 (the worker's mirror started afresh).",
-            get(&c.restarts),
-        );
-        counter(
-            "kvserver_kv_replays_total",
-            "Replay requests sent to workers.",
-            get(&c.replays),
-        );
-        counter(
-            "kvserver_kv_replayed_batches_total",
-            "Batches obtained by replay and applied.",
-            get(&c.replayed_batches),
-        );
+        for (name, help, v) in [
+            ("kvserver_request_blocks_total", "Full prompt blocks of routed requests.", &c.request_blocks),
+            ("kvserver_cache_hit_blocks_total", "Prompt blocks the router predicted cached on the chosen worker.", &c.hit_blocks),
+            ("kvserver_kv_batches_applied_total", "KV-event batches applied.", &c.batches_applied),
+            ("kvserver_kv_batches_rejected_total", "KV-event batches rejected (malformed, invalid or replayed).", &c.batches_rejected),
+            ("kvserver_kv_gaps_total", "KV-event batches that followed missed ones.", &c.gaps),
+            ("kvserver_kv_restarts_total", "Publisher restarts seen after a missed batch 0 (the worker's mirror started afresh).", &c.restarts),
+            ("kvserver_kv_replays_total", "Replay requests sent to workers.", &c.replays),
+            ("kvserver_kv_replayed_batches_total", "Batches obtained by replay and applied.", &c.replayed_batches),
+        ] {
+            counter(name, help, get(v));
+        }
         let workers = self.workers();
         let (views, stale): (Vec<(String, usize)>, usize) = {
             let m = self.mirror();
