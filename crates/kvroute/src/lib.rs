@@ -60,6 +60,7 @@
 )]
 
 mod groups;
+mod model;
 mod replicas;
 mod ring;
 mod router;
@@ -73,6 +74,7 @@ pub use groups::{CacheGroup, GroupRule};
 pub use kvblock::{BlockHash, BlockSize};
 pub use kvblock::{ExtraKeys, MultimodalSpan};
 pub use kvcache::{KvEvent, WorkerId};
+pub use model::{prefill_aware_cost, BusyThreshold, CostModel};
 pub use replicas::{LoadChange, LoadDelta};
 pub use router::{Candidate, Decision, Router, RouterBuilder};
 
@@ -302,6 +304,12 @@ pub enum Error {
         "unknown routing policy {got:?}: expected one of kv, prefix_aware, round_robin, random"
     )]
     UnknownPolicy {
+        /// The name given.
+        got: String,
+    },
+    /// A cost model name that does not exist.
+    #[error("unknown cost model {got:?}: expected seed or prefill-aware")]
+    UnknownCostModel {
         /// The name given.
         got: String,
     },

@@ -1,5 +1,6 @@
 //! The `Router` facade: cache index, load tracking and policies behind one call.
 
+use std::collections::VecDeque;
 use std::time::Duration;
 
 use hashbrown::hash_map::Entry;
@@ -9,8 +10,12 @@ use rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 
 use crate::groups::Groups;
+use crate::model::sample_softmax;
 use crate::ring::Ring;
-use crate::{cost, CacheGroup, Error, LoadChange, LoadDelta, Policy, RequestId, Role, Salt};
+use crate::{
+    cost, prefill_aware_cost, BusyThreshold, CacheGroup, CostModel, Error, LoadChange, LoadDelta,
+    Policy, RequestId, Role, Salt,
+};
 
 type Map<K, V> = hashbrown::HashMap<K, V, FixedState>;
 
@@ -39,14 +44,21 @@ pub struct Candidate {
     pub cache_hits: usize,
     /// Its in-flight distinct prompt blocks.
     pub active_blocks: usize,
-    /// Its cost with the role's weight.
+    /// The uncached prompt blocks of its requests not past their first token.
+    pub pending_prefill_blocks: usize,
+    /// The distinct prompt blocks of its requests past their first token.
+    pub decode_blocks: usize,
+    /// Whether the busy threshold counts it busy.
+    pub busy: bool,
+    /// Its cost with the role's weight, under the router's cost model.
     pub cost: f64,
 }
 
 /// Builds a [`Router`]; [`build`](Self::build) validates every setting.
 ///
 /// Defaults: block size 16, `Kv` policy, overlap weight 1.0, no per-role weights, seed 0,
-/// `PrefixAware` over the first block with 128 virtual nodes per worker.
+/// `PrefixAware` over the first block with 128 virtual nodes per worker; the source document's
+/// cost at temperature 0, nobody busy, no predicted blocks.
 #[derive(Debug, Clone)]
 #[must_use = "a builder does nothing until `build` is called"]
 pub struct RouterBuilder {
@@ -60,6 +72,10 @@ pub struct RouterBuilder {
     virtual_nodes: usize,
     replica: Option<u64>,
     remote_ttl: std::time::Duration,
+    cost_model: CostModel,
+    temperature: f64,
+    busy: Option<BusyThreshold>,
+    predicted_ttl: Duration,
 }
 
 impl Default for RouterBuilder {
@@ -75,6 +91,10 @@ impl Default for RouterBuilder {
             virtual_nodes: 128,
             replica: None,
             remote_ttl: std::time::Duration::from_secs(600),
+            cost_model: CostModel::Seed,
+            temperature: 0.0,
+            busy: None,
+            predicted_ttl: Duration::ZERO,
         }
     }
 }
@@ -145,6 +165,71 @@ impl RouterBuilder {
         self
     }
 
+    /// The cost the `Kv` policy minimises (default [`CostModel::Seed`], the source document's).
+    /// The prefill-aware cost needs [`Router::prefill_done`] at each request's first token.
+    pub fn cost_model(mut self, model: CostModel) -> Self {
+        self.cost_model = model;
+        self
+    }
+
+    /// `Kv` policy: 0 (the default) takes the lowest cost; above 0 samples worker `w` with
+    /// probability ∝ `exp(−(cost(w) − min) / (T × (max − min)))` over the candidates' costs
+    /// (seeded, so deterministic for a seed): at `T = 1` the worst candidate is `e` times less
+    /// likely than the best, and a higher `T` spreads load further. Equal costs tie as at 0.
+    ///
+    /// ```
+    /// use kvroute::{RequestId, Role, Router, WorkerId};
+    /// let mut hot = Router::builder().temperature(2.0).seed(1).build()?;
+    /// for w in 0..4 {
+    ///     hot.add_worker(WorkerId::new(w));
+    /// }
+    /// let mut seen = std::collections::BTreeSet::new();
+    /// for id in 0..40 {
+    ///     let d = hot.route(RequestId::new(id), &[], Role::Unified)?;
+    ///     seen.insert(d.worker);
+    ///     hot.finish(RequestId::new(id))?;
+    /// }
+    /// assert_eq!(seen.len(), 4);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn temperature(mut self, t: f64) -> Self {
+        self.temperature = t;
+        self
+    }
+
+    /// `Kv` policy: skips the workers this threshold counts busy, unless all are (then the least
+    /// loaded: fewest active blocks under the seed's cost, fewest pending prefill plus decode
+    /// blocks under the prefill-aware one). Changeable later with
+    /// [`Router::set_busy_threshold`].
+    pub fn busy_threshold(mut self, threshold: BusyThreshold) -> Self {
+        self.busy = Some(threshold);
+        self
+    }
+
+    /// Predicted blocks: a routed request's blocks count as hits on its worker for later
+    /// requests, before the worker's events report them, until those events confirm them or
+    /// `ttl` passes on the router's clock ([`Router::set_clock`]). A burst of requests over a
+    /// new prefix then goes to one worker instead of scattering. Zero (the default) is off.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use kvroute::{BlockHash, RequestId, Role, Router, WorkerId};
+    /// let mut router = Router::builder().predicted_ttl(Duration::from_millis(500)).build()?;
+    /// router.add_worker(WorkerId::new(0));
+    /// router.add_worker(WorkerId::new(1));
+    /// let prefix: Vec<BlockHash> = (1..=8).map(BlockHash::new).collect();
+    /// let first = router.route(RequestId::new(1), &prefix, Role::Unified)?;
+    /// let second = router.route(RequestId::new(2), &prefix, Role::Unified)?;
+    /// assert_eq!((second.worker, second.cache_hits), (first.worker, 8));
+    /// router.set_clock(Duration::from_millis(500)); // no event came: the prediction lapses
+    /// assert_eq!(router.predicted_blocks(first.worker), 0);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn predicted_ttl(mut self, ttl: Duration) -> Self {
+        self.predicted_ttl = ttl;
+        self
+    }
+
     /// Validates the settings and builds the router.
     pub fn build(self) -> Result<Router, Error> {
         let check = |name, w: f64| {
@@ -160,6 +245,10 @@ impl RouterBuilder {
         }
         if let Some(w) = self.decode_weight {
             check("decode overlap weight", w)?;
+        }
+        check("temperature", self.temperature)?;
+        if let Some(b) = &self.busy {
+            b.validate()?;
         }
         if self.prefix_blocks == 0 {
             return Err(Error::InvalidSetting {
@@ -184,6 +273,8 @@ impl RouterBuilder {
             index: CacheIndex::new(),
             slots: Vec::new(),
             active: Vec::new(),
+            pending: Vec::new(),
+            decode: Vec::new(),
             spare: Vec::new(),
             members: Vec::new(),
             requests: Map::default(),
@@ -197,6 +288,10 @@ impl RouterBuilder {
             outbox: Vec::new(),
             next_delta: 0,
             group_cap: None,
+            now: Duration::ZERO,
+            expiry: VecDeque::new(),
+            costs: Vec::new(),
+            eligible: Vec::new(),
         })
     }
 }
@@ -206,8 +301,15 @@ impl RouterBuilder {
 struct Load {
     id: WorkerId,
     generation: u64,
+    /// Every in-flight request's prompt blocks (the seed's `active_blocks`).
     blocks: Map<BlockHash, u32>,
+    /// Those of requests past their first token, and of other replicas' requests.
+    decode: Map<BlockHash, u32>,
+    /// Uncached prompt blocks of requests not past their first token.
+    pending: usize,
     requests: usize,
+    /// Predicted blocks and when each prediction lapses.
+    predicted: Map<BlockHash, Duration>,
 }
 
 #[derive(Debug, Clone)]
@@ -215,6 +317,8 @@ struct InFlight {
     slot: usize,
     generation: u64,
     blocks: Vec<BlockHash>,
+    /// Its uncached blocks while it prefills; `None` once past its first token.
+    prefill: Option<usize>,
 }
 
 /// A KV-aware router: the mirrored cache index, in-flight load per worker, and a policy.
@@ -249,6 +353,10 @@ pub struct Router {
     slots: Vec<Option<Load>>,
     /// `slots[i].blocks.len()` by dense index, packed for the scan of every worker per request.
     active: Vec<usize>,
+    /// `slots[i].pending` by dense index.
+    pending: Vec<usize>,
+    /// `slots[i].decode.len()` by dense index.
+    decode: Vec<usize>,
     /// Block lists of finished requests, reused by the next routes.
     spare: Vec<Vec<BlockHash>>,
     /// Dense indices of registered workers, in worker-id order.
@@ -269,6 +377,13 @@ pub struct Router {
     next_delta: u64,
     /// The hit cap of the request `route_hashed` is routing, for the cache groups' rule.
     group_cap: Option<usize>,
+    /// The clock predictions are stamped and lapse by.
+    now: Duration,
+    /// Predictions in the order they lapse: (when, slot, generation, block).
+    expiry: VecDeque<(Duration, usize, u64, BlockHash)>,
+    /// Scratch of the temperature sampling: candidates' costs and dense indices.
+    costs: Vec<f64>,
+    eligible: Vec<usize>,
 }
 
 /// Another replica's request in flight on one of our workers.
@@ -280,22 +395,53 @@ struct Remote {
     expires: Duration,
 }
 
+fn add_refs(map: &mut Map<BlockHash, u32>, blocks: &[BlockHash]) {
+    for &b in blocks {
+        *map.entry(b).or_insert(0) += 1;
+    }
+}
+
+fn release_refs(map: &mut Map<BlockHash, u32>, blocks: &[BlockHash]) {
+    for b in blocks {
+        if let Entry::Occupied(mut e) = map.entry(*b) {
+            *e.get_mut() -= 1;
+            if *e.get() == 0 {
+                e.remove();
+            }
+        }
+    }
+}
+
 impl Load {
-    fn add(&mut self, blocks: &[BlockHash]) {
-        for &b in blocks {
-            *self.blocks.entry(b).or_insert(0) += 1;
+    fn new(id: WorkerId, generation: u64) -> Self {
+        Load {
+            id,
+            generation,
+            blocks: Map::default(),
+            decode: Map::default(),
+            pending: 0,
+            requests: 0,
+            predicted: Map::default(),
         }
     }
 
-    fn release(&mut self, blocks: &[BlockHash]) {
-        for b in blocks {
-            if let Entry::Occupied(mut e) = self.blocks.entry(*b) {
-                *e.get_mut() -= 1;
-                if *e.get() == 0 {
-                    e.remove();
-                }
-            }
+    /// The length of the leading run of `blocks` from `from` that is predicted (and not lapsed
+    /// at `now`) or held by the index.
+    fn predicted_run(
+        &self,
+        index: &CacheIndex,
+        blocks: &[BlockHash],
+        from: usize,
+        now: Duration,
+    ) -> usize {
+        let mut r = from;
+        while r < blocks.len()
+            && (self.predicted.get(&blocks[r]).is_some_and(|&t| t > now)
+                || index.holds(self.id, blocks[r]))
+        {
+            r += 1;
         }
+        r
     }
 }
 
@@ -346,15 +492,14 @@ impl Router {
         if self.slots.len() <= i {
             self.slots.resize(i + 1, None);
             self.active.resize(i + 1, 0);
+            self.pending.resize(i + 1, 0);
+            self.decode.resize(i + 1, 0);
         }
         self.active[i] = 0;
+        self.pending[i] = 0;
+        self.decode[i] = 0;
         self.generation += 1;
-        self.slots[i] = Some(Load {
-            id: worker,
-            generation: self.generation,
-            blocks: Map::default(),
-            requests: 0,
-        });
+        self.slots[i] = Some(Load::new(worker, self.generation));
         let pos = self
             .members
             .partition_point(|&m| self.slots[m].as_ref().is_some_and(|l| l.id < worker));
@@ -373,6 +518,8 @@ impl Router {
         self.groups.clear_worker(worker, Some(i));
         self.slots[i] = None;
         self.active[i] = 0;
+        self.pending[i] = 0;
+        self.decode[i] = 0;
         self.members.retain(|&m| m != i);
         self.ring.remove(worker);
         true
@@ -456,6 +603,20 @@ impl Router {
                 if matches!(event, KvEvent::Stored { .. }) {
                     self.groups.primary_stored(i);
                 }
+                if let Some(load) = self.slots[i].as_mut() {
+                    if !load.predicted.is_empty() {
+                        match event {
+                            // Confirmed: the index holds them now.
+                            KvEvent::Stored { blocks, .. } => {
+                                for b in blocks {
+                                    load.predicted.remove(b);
+                                }
+                            }
+                            KvEvent::Cleared => load.predicted.clear(),
+                            KvEvent::Removed { .. } => {}
+                        }
+                    }
+                }
                 Ok(applied)
             }
             _ => Err(Error::UnknownWorker { worker }),
@@ -529,6 +690,9 @@ impl Router {
     /// restarted); returns how many blocks it held.
     pub fn clear_worker(&mut self, worker: WorkerId) -> usize {
         let i = self.index.worker_index(worker);
+        if let Some(load) = i.and_then(|i| self.slots.get_mut(i)?.as_mut()) {
+            load.predicted.clear();
+        }
         self.index.clear_worker(worker) + self.groups.clear_worker(worker, i)
     }
 
@@ -563,6 +727,9 @@ impl Router {
         self.groups = Groups::default();
         self.slots.clear();
         self.active.clear();
+        self.pending.clear();
+        self.decode.clear();
+        self.expiry.clear();
         self.members.clear();
         self.ring = Ring::new(self.ring.vnodes());
         for w in listed {
@@ -610,13 +777,16 @@ impl Router {
         let weight = self.weight(role);
         let n = blocks.len();
         self.index.overlaps_into(blocks, &mut self.overlaps);
+        if !self.config.predicted_ttl.is_zero() {
+            self.extend_predicted(blocks);
+        }
         let cap = cap.unwrap_or(n);
         if !self.groups.is_empty() {
             self.groups
                 .cut(&self.index, blocks, cap, &mut self.overlaps);
         }
         let chosen = match self.config.policy {
-            Policy::Kv => self.lowest_cost(weight, n),
+            Policy::Kv => self.choose_kv(weight, n),
             Policy::PrefixAware => match Ring::key(blocks, self.config.prefix_blocks) {
                 Some(key) => self
                     .ring
@@ -633,13 +803,24 @@ impl Router {
             }
         };
         let hits = self.overlaps.run_at(chosen);
-        let (worker, generation, active) = {
+        let cost = self.cost_at(weight, n, chosen);
+        let uncached = n.saturating_sub(hits);
+        let ttl = self.config.predicted_ttl;
+        let (worker, generation) = {
             let load = self.slots[chosen].as_mut().ok_or(Error::NoWorkers)?;
-            let active = load.blocks.len();
-            load.add(blocks);
+            add_refs(&mut load.blocks, blocks);
             load.requests += 1;
+            load.pending += uncached;
             self.active[chosen] = load.blocks.len();
-            (load.id, load.generation, active)
+            self.pending[chosen] = load.pending;
+            if !ttl.is_zero() {
+                let lapses = self.now.saturating_add(ttl);
+                for &b in &blocks[hits.min(n)..] {
+                    load.predicted.insert(b, lapses);
+                    self.expiry.push_back((lapses, chosen, load.generation, b));
+                }
+            }
+            (load.id, load.generation)
         };
         let mut kept = self.spare.pop().unwrap_or_default();
         kept.extend_from_slice(blocks);
@@ -649,6 +830,7 @@ impl Router {
                 slot: chosen,
                 generation,
                 blocks: kept,
+                prefill: Some(uncached),
             },
         );
         if self.config.replica.is_some() {
@@ -661,9 +843,26 @@ impl Router {
         Ok(Decision {
             worker,
             cache_hits: hits,
-            cost: cost(weight, n, hits, active),
+            cost,
             request_blocks: n,
         })
+    }
+
+    /// Extends every worker's leading run over its predicted blocks.
+    fn extend_predicted(&mut self, blocks: &[BlockHash]) {
+        for &i in &self.members {
+            let Some(load) = self.slots[i].as_ref() else {
+                continue;
+            };
+            if load.predicted.is_empty() {
+                continue;
+            }
+            let from = self.overlaps.run_at(i);
+            let run = load.predicted_run(&self.index, blocks, from, self.now);
+            if run > from {
+                self.overlaps.set_run(i, load.id, run);
+            }
+        }
     }
 
     /// Hashes `tokens` at the router's block size (a partial tail is ignored), then routes.
@@ -777,9 +976,15 @@ impl Router {
             .ok_or(Error::UnknownRequest { request_id })?;
         if let Some(load) = self.slots.get_mut(req.slot).and_then(Option::as_mut) {
             if load.generation == req.generation {
-                load.release(&req.blocks);
+                release_refs(&mut load.blocks, &req.blocks);
                 load.requests -= 1;
+                match req.prefill {
+                    Some(p) => load.pending -= p,
+                    None => release_refs(&mut load.decode, &req.blocks),
+                }
                 self.active[req.slot] = load.blocks.len();
+                self.pending[req.slot] = load.pending;
+                self.decode[req.slot] = load.decode.len();
             }
         }
         if self.spare.len() < 64 {
@@ -790,6 +995,102 @@ impl Router {
             request: request_id,
         });
         Ok(())
+    }
+
+    /// Moves a request past its first token: its uncached blocks leave its worker's pending
+    /// prefill and its prompt blocks join the worker's decode blocks (see
+    /// [`CostModel::PrefillAware`] and [`BusyThreshold`]). Call it when the first token
+    /// arrives; a second call is a no-op. An error when the request is not in flight.
+    ///
+    /// ```
+    /// use kvroute::{BlockHash, RequestId, Role, Router, WorkerId};
+    /// let mut router = Router::builder().build()?;
+    /// let w = WorkerId::new(0);
+    /// router.add_worker(w);
+    /// let blocks: Vec<BlockHash> = (1..=4).map(BlockHash::new).collect();
+    /// router.route(RequestId::new(1), &blocks, Role::Unified)?;
+    /// assert_eq!((router.pending_prefill_blocks(w), router.decode_blocks(w)), (4, 0));
+    /// router.prefill_done(RequestId::new(1))?;
+    /// assert_eq!((router.pending_prefill_blocks(w), router.decode_blocks(w)), (0, 4));
+    /// assert_eq!(router.active_blocks(w), 4); // the seed's load counts both phases
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn prefill_done(&mut self, request_id: RequestId) -> Result<(), Error> {
+        let req = self
+            .requests
+            .get_mut(&request_id)
+            .ok_or(Error::UnknownRequest { request_id })?;
+        let Some(p) = req.prefill.take() else {
+            return Ok(());
+        };
+        if let Some(load) = self.slots.get_mut(req.slot).and_then(Option::as_mut) {
+            if load.generation == req.generation {
+                load.pending -= p;
+                add_refs(&mut load.decode, &req.blocks);
+                self.pending[req.slot] = load.pending;
+                self.decode[req.slot] = load.decode.len();
+            }
+        }
+        Ok(())
+    }
+
+    /// Sets the router's clock, by which predicted blocks lapse (see
+    /// [`RouterBuilder::predicted_ttl`]): any monotonic clock, such as the time since the
+    /// router started. An earlier time than the last is ignored.
+    pub fn set_clock(&mut self, now: Duration) {
+        if now <= self.now {
+            return;
+        }
+        self.now = now;
+        while let Some(&(t, slot, generation, b)) = self.expiry.front() {
+            if t > now {
+                break;
+            }
+            self.expiry.pop_front();
+            if let Some(load) = self.slots.get_mut(slot).and_then(Option::as_mut) {
+                // A later prediction of the same block keeps it.
+                if load.generation == generation && load.predicted.get(&b) == Some(&t) {
+                    load.predicted.remove(&b);
+                }
+            }
+        }
+    }
+
+    /// Blocks predicted on `worker` and not yet confirmed by its events nor lapsed.
+    pub fn predicted_blocks(&self, worker: WorkerId) -> usize {
+        self.worker_load(worker).map_or(0, |l| {
+            l.predicted.values().filter(|&&t| t > self.now).count()
+        })
+    }
+
+    /// Uncached prompt blocks of `worker`'s requests not past their first token.
+    pub fn pending_prefill_blocks(&self, worker: WorkerId) -> usize {
+        self.worker_load(worker).map_or(0, |l| l.pending)
+    }
+
+    /// Distinct prompt blocks of `worker`'s requests past their first token (and of other
+    /// replicas' requests, whose phase this router does not know).
+    pub fn decode_blocks(&self, worker: WorkerId) -> usize {
+        self.worker_load(worker).map_or(0, |l| l.decode.len())
+    }
+
+    /// Replaces the busy threshold (`None`: nobody is busy); an error names an invalid limit.
+    pub fn set_busy_threshold(&mut self, threshold: Option<BusyThreshold>) -> Result<(), Error> {
+        if let Some(t) = &threshold {
+            t.validate()?;
+        }
+        self.config.busy = threshold;
+        Ok(())
+    }
+
+    /// The busy threshold in use.
+    pub fn busy_threshold(&self) -> Option<BusyThreshold> {
+        self.config.busy
+    }
+
+    /// The cost model in use.
+    pub fn cost_model(&self) -> CostModel {
+        self.config.cost_model
     }
 
     /// Queues a delta of this replica's, when it shares its load.
@@ -857,8 +1158,20 @@ impl Router {
                 let Some(load) = self.slots[i].as_mut() else {
                     return false;
                 };
-                load.add(blocks);
+                add_refs(&mut load.blocks, blocks);
+                add_refs(&mut load.decode, blocks);
                 self.active[i] = load.blocks.len();
+                self.decode[i] = load.decode.len();
+                let predicted = self.config.predicted_ttl;
+                if !predicted.is_zero() {
+                    let lapses = now.saturating_add(predicted);
+                    for &b in blocks {
+                        if !self.index.holds(*worker, b) {
+                            load.predicted.insert(b, lapses);
+                            self.expiry.push_back((lapses, i, load.generation, b));
+                        }
+                    }
+                }
                 let generation = load.generation;
                 self.remote.insert(
                     key,
@@ -886,8 +1199,10 @@ impl Router {
     fn release_remote(&mut self, r: &Remote) -> bool {
         match self.slots.get_mut(r.slot).and_then(Option::as_mut) {
             Some(load) if load.generation == r.generation => {
-                load.release(&r.blocks);
+                release_refs(&mut load.blocks, &r.blocks);
+                release_refs(&mut load.decode, &r.blocks);
                 self.active[r.slot] = load.blocks.len();
+                self.decode[r.slot] = load.decode.len();
                 true
             }
             _ => false,
@@ -922,9 +1237,20 @@ impl Router {
 
     /// Every worker's hits, load and cost for a request, in worker-id order, without routing it.
     pub fn explain(&self, blocks: &[BlockHash], role: Role) -> Vec<Candidate> {
-        let mut ov = self.index.overlaps(blocks);
-        self.groups.cut(&self.index, blocks, blocks.len(), &mut ov);
         let weight = self.weight(role);
+        let n = blocks.len();
+        let predicting = !self.config.predicted_ttl.is_zero();
+        let mut ov = self.index.overlaps(blocks);
+        for &i in &self.members {
+            if let Some(load) = self.load(i).filter(|_| predicting) {
+                let from = ov.run_at(i);
+                let run = load.predicted_run(&self.index, blocks, from, self.now);
+                if run > from {
+                    ov.set_run(i, load.id, run);
+                }
+            }
+        }
+        self.groups.cut(&self.index, blocks, n, &mut ov);
         self.members
             .iter()
             .filter_map(|&i| {
@@ -934,28 +1260,100 @@ impl Router {
                     worker: load.id,
                     cache_hits: hits,
                     active_blocks: load.blocks.len(),
-                    cost: cost(weight, blocks.len(), hits, load.blocks.len()),
+                    pending_prefill_blocks: load.pending,
+                    decode_blocks: load.decode.len(),
+                    busy: self.is_busy(i),
+                    cost: self.cost_of(weight, n, hits, i),
                 })
             })
             .collect()
     }
 
-    fn lowest_cost(&mut self, weight: f64, n: usize) -> usize {
+    /// Worker `i`'s cost with `hits`, under the cost model.
+    #[inline]
+    fn cost_of(&self, weight: f64, n: usize, hits: usize, i: usize) -> f64 {
+        match self.config.cost_model {
+            CostModel::Seed => cost(weight, n, hits, self.active[i]),
+            CostModel::PrefillAware => {
+                prefill_aware_cost(weight, n, hits, self.pending[i], self.decode[i])
+            }
+        }
+    }
+
+    /// Worker `i`'s cost for the request being routed.
+    #[inline]
+    fn cost_at(&self, weight: f64, n: usize, i: usize) -> f64 {
+        self.cost_of(weight, n, self.overlaps.run_at(i), i)
+    }
+
+    #[inline]
+    fn is_busy(&self, i: usize) -> bool {
+        self.config.busy.is_some_and(|b| {
+            b.is_busy(
+                self.decode[i],
+                self.pending[i].saturating_mul(self.config.block_size.get()),
+            )
+        })
+    }
+
+    /// Worker `i`'s load, for the busy fallback.
+    fn load_term(&self, i: usize) -> usize {
+        match self.config.cost_model {
+            CostModel::Seed => self.active[i],
+            CostModel::PrefillAware => self.pending[i] + self.decode[i],
+        }
+    }
+
+    /// The `Kv` policy's choice: among the workers not busy (all, when every one is busy: then
+    /// the least loaded), the lowest cost, or a sample at the router's temperature.
+    fn choose_kv(&mut self, weight: f64, n: usize) -> usize {
+        let mut eligible = std::mem::take(&mut self.eligible);
+        let mut costs = std::mem::take(&mut self.costs);
+        eligible.clear();
+        costs.clear();
+        let thresholds = self.config.busy.is_some();
+        if thresholds {
+            eligible.extend(self.members.iter().copied().filter(|&i| !self.is_busy(i)));
+        }
+        let all_busy = thresholds && eligible.is_empty();
+        if eligible.is_empty() {
+            eligible.extend_from_slice(&self.members);
+        }
+        let k = if all_busy {
+            costs.extend(eligible.iter().map(|&i| self.load_term(i) as f64));
+            self.argmin(&costs)
+        } else {
+            costs.extend(eligible.iter().map(|&i| self.cost_at(weight, n, i)));
+            let t = self.config.temperature;
+            let sampled = if t > 0.0 {
+                let u = (self.rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+                sample_softmax(&costs, t, u)
+            } else {
+                None
+            };
+            sampled.unwrap_or_else(|| self.argmin(&costs))
+        };
+        let chosen = eligible[k];
+        self.eligible = eligible;
+        self.costs = costs;
+        chosen
+    }
+
+    /// The position of the lowest of `values`, ties broken uniformly with the seeded generator
+    /// (reservoir sampling: each tied position ends up chosen with probability 1/ties).
+    fn argmin(&mut self, values: &[f64]) -> usize {
         let mut best = f64::INFINITY;
-        let mut chosen = self.members[0];
+        let mut chosen = 0;
         let mut ties = 0u64;
-        for k in 0..self.members.len() {
-            let i = self.members[k];
-            let c = cost(weight, n, self.overlaps.run_at(i), self.active[i]);
+        for (k, &c) in values.iter().enumerate() {
             if c < best {
                 best = c;
-                chosen = i;
+                chosen = k;
                 ties = 1;
             } else if c == best {
-                // Reservoir sampling: each tied worker ends up chosen with probability 1/ties.
                 ties += 1;
                 if self.rng.next_u64() % ties == 0 {
-                    chosen = i;
+                    chosen = k;
                 }
             }
         }

@@ -6,7 +6,9 @@ use std::path::PathBuf;
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use kvblock::BlockSize;
-use kvsim::{ArrivalModel, LinearTiming, Policy, Popularity, SimConfig, Trace, TraceTiming};
+use kvsim::{
+    ArrivalModel, CostModel, LinearTiming, Policy, Popularity, SimConfig, Trace, TraceTiming,
+};
 
 /// Simulate a fleet of LLM engine replicas behind a KV-cache-aware router.
 ///
@@ -179,6 +181,23 @@ pub(crate) struct RunArgs {
     /// Router replicas, each with its own load view and cache index, taking arrivals in turn.
     #[arg(long, value_name = "R", help_heading = "Routing")]
     des_routers: Option<usize>,
+    /// kv policy: seed (W x missed blocks + active blocks) or prefill-aware
+    /// (W x (pending prefill + missed blocks) + decode blocks).
+    #[arg(long, value_parser = parse_cost_model, value_name = "MODEL", help_heading = "Routing")]
+    cost_model: Option<CostModel>,
+    /// kv policy: 0 takes the lowest cost; T > 0 samples engines with probability
+    /// exp(-(cost - min) / (T x (max - min))).
+    #[arg(long, value_name = "T", help_heading = "Routing")]
+    router_temperature: Option<f64>,
+    /// kv policy: skip busy engines unless all are busy. decode=F: decode blocks above F x
+    /// --des-kv-blocks; prefill-tokens=N: pending prefill above N tokens; one or both, comma
+    /// separated.
+    #[arg(long, value_parser = parse_busy, value_name = "decode=F,prefill-tokens=N", help_heading = "Routing")]
+    busy_threshold: Option<Busy>,
+    /// Count a routed request's blocks as hits on its engine for this long, or until the
+    /// engine's events confirm them (0 = off), milliseconds.
+    #[arg(long, value_name = "MS", help_heading = "Routing")]
+    predicted_ttl_ms: Option<f64>,
 
     /// Disaggregated serving: prefill engines (with --des-decode-instances, instead of --des-instances).
     #[arg(long, value_name = "P", help_heading = "Disaggregated prefill/decode")]
@@ -262,6 +281,11 @@ pub(crate) const FLAGS: &[(&str, &str)] = &[
     ("pd_transfer_latency_us", "--pd-transfer-latency-us"),
     ("kv_bytes_per_token", "--kv-bytes-per-token"),
     ("routers", "--des-routers"),
+    ("cost_model", "--cost-model"),
+    ("router_temperature", "--router-temperature"),
+    ("busy_decode_fraction", "--busy-threshold"),
+    ("busy_prefill_tokens", "--busy-threshold"),
+    ("predicted_ttl_us", "--predicted-ttl-ms"),
     ("trace_speedup", "--trace-speedup"),
     ("trace_timing", "--trace-timing"),
 ];
@@ -354,6 +378,12 @@ fn defaults() -> Vec<(&'static str, String)> {
             (d.event_delay_us as f64 / 1000.0).to_string(),
         ),
         ("des_routers", d.routers.to_string()),
+        ("cost_model", d.cost_model.to_string()),
+        ("router_temperature", d.router_temperature.to_string()),
+        (
+            "predicted_ttl_ms",
+            (d.predicted_ttl_us as f64 / 1000.0).to_string(),
+        ),
         ("pd_transfer_gbps", d.pd_transfer_gbps.to_string()),
         (
             "pd_transfer_latency_us",
@@ -406,6 +436,38 @@ fn parse_popularity(s: &str) -> Result<Popularity, String> {
 
 fn parse_policy(s: &str) -> Result<Policy, String> {
     s.parse::<Policy>().map_err(|e| e.to_string())
+}
+
+fn parse_cost_model(s: &str) -> Result<CostModel, String> {
+    s.parse::<CostModel>().map_err(|e| e.to_string())
+}
+
+/// `--busy-threshold`: the decode fraction and the prefill budget, either or both.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub(crate) struct Busy {
+    decode: Option<f64>,
+    prefill_tokens: Option<usize>,
+}
+
+fn parse_busy(s: &str) -> Result<Busy, String> {
+    let mut busy = Busy::default();
+    for part in s.split(',') {
+        let bad =
+            || format!("expected decode=F and/or prefill-tokens=N, comma separated; got {part:?}");
+        let (key, value) = part.split_once('=').ok_or_else(bad)?;
+        match key.trim() {
+            "decode" => {
+                let f: f64 = value.trim().parse().map_err(|_| bad())?;
+                busy.decode = Some(f);
+            }
+            "prefill-tokens" => {
+                let n: usize = value.trim().parse().map_err(|_| bad())?;
+                busy.prefill_tokens = Some(n);
+            }
+            _ => return Err(bad()),
+        }
+    }
+    Ok(busy)
 }
 
 fn parse_trace_timing(s: &str) -> Result<TraceTiming, String> {
@@ -490,6 +552,20 @@ impl RunArgs {
         );
         set(&mut cfg.kv_bytes_per_token, &self.kv_bytes_per_token);
         set(&mut cfg.routers, &self.des_routers);
+        set(&mut cfg.cost_model, &self.cost_model);
+        set(&mut cfg.router_temperature, &self.router_temperature);
+        if let Some(b) = self.busy_threshold {
+            cfg.busy_decode_fraction = b.decode;
+            cfg.busy_prefill_tokens = b.prefill_tokens;
+        }
+        if let Some(ms) = self.predicted_ttl_ms {
+            if !(ms.is_finite() && (0.0..=1e9).contains(&ms)) {
+                return Err(format!(
+                    "invalid --predicted-ttl-ms {ms}: expected a number of milliseconds from 0 to 1e9"
+                ));
+            }
+            cfg.predicted_ttl_us = (ms * 1000.0).round() as u64;
+        }
         set(&mut cfg.max_batched_tokens, &self.max_batched_tokens);
         set(&mut cfg.max_num_seqs, &self.max_num_seqs);
         let t = cfg.timing;

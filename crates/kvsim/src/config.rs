@@ -6,7 +6,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use kvblock::BlockSize;
-use kvroute::Policy;
+use kvroute::{CostModel, Policy};
 
 use crate::error::Error;
 use crate::timing::LinearTiming;
@@ -207,6 +207,19 @@ pub struct SimConfig {
     /// Independent router replicas per pool, each with its own load view and cache index,
     /// receiving arrivals in turn (`--des-routers`).
     pub routers: usize,
+    /// The cost the `kv` policy minimises (`--cost-model`).
+    pub cost_model: CostModel,
+    /// `kv` policy: 0 takes the lowest cost, above 0 samples by it (`--router-temperature`).
+    pub router_temperature: f64,
+    /// `kv` policy: a worker whose decode blocks exceed this fraction of `kv_blocks` is busy
+    /// (`--busy-threshold decode=F`).
+    pub busy_decode_fraction: Option<f64>,
+    /// `kv` policy: a worker whose pending prefill exceeds this many tokens is busy
+    /// (`--busy-threshold prefill-tokens=N`).
+    pub busy_prefill_tokens: Option<usize>,
+    /// How long a routed request's blocks count as hits on its engine before the engine's
+    /// events confirm them, microseconds; 0 is off (`--predicted-ttl-ms` × 1000).
+    pub predicted_ttl_us: u64,
     /// Replay this trace instead of the synthetic prefix pool (`--trace`): its first
     /// `num_requests` requests. See [`SimConfig::with_trace`].
     pub trace: Option<Arc<Trace>>,
@@ -247,6 +260,11 @@ impl Default for SimConfig {
             pd_transfer_latency_us: 100,
             kv_bytes_per_token: 131_072,
             routers: 1,
+            cost_model: CostModel::Seed,
+            router_temperature: 0.0,
+            busy_decode_fraction: None,
+            busy_prefill_tokens: None,
+            predicted_ttl_us: 0,
             trace: None,
             trace_speedup: 1.0,
             trace_timing: TraceTiming::Keep,
@@ -271,6 +289,27 @@ impl SimConfig {
         self.num_requests = trace.requests().len();
         self.trace = Some(Arc::new(trace));
         self
+    }
+
+    /// The routers' busy threshold, when one is set.
+    pub(crate) fn busy_threshold(&self) -> Option<kvroute::BusyThreshold> {
+        if self.busy_decode_fraction.is_none() && self.busy_prefill_tokens.is_none() {
+            return None;
+        }
+        let mut t = kvroute::BusyThreshold::new();
+        if let (Some(f), Some(cap)) = (self.busy_decode_fraction, self.kv_blocks) {
+            t = t.decode_fraction(f, cap);
+        }
+        if let Some(tokens) = self.busy_prefill_tokens {
+            t = t.prefill_tokens(tokens);
+        }
+        Some(t)
+    }
+
+    /// Whether the routers need each request's first token ([`kvroute::Router::prefill_done`]):
+    /// only the prefill-aware cost and the busy threshold look at it.
+    pub(crate) fn tracks_prefill(&self) -> bool {
+        self.cost_model != CostModel::Seed || self.busy_threshold().is_some()
     }
 
     /// Whether prefill and decode run on separate pools.
@@ -421,6 +460,23 @@ impl SimConfig {
             non_negative("decode_overlap_weight", w)?;
         }
         positive("pd_transfer_gbps", self.pd_transfer_gbps)?;
+        within(
+            "router_temperature",
+            self.router_temperature,
+            0.0,
+            1e6,
+            "a number from 0 to 1000000",
+        )?;
+        if let Some(f) = self.busy_decode_fraction {
+            positive("busy_decode_fraction", f)?;
+            if self.kv_blocks.is_none() {
+                return Err(Error::invalid(
+                    "busy_decode_fraction",
+                    f,
+                    "kv_blocks to be set (the fraction is of an engine's capacity)",
+                ));
+            }
+        }
         if let Some(t) = &self.trace {
             if t.block_size() != self.block_size {
                 return Err(Error::invalid(

@@ -38,7 +38,14 @@ impl Routers {
                 if let Some(w) = cfg.decode_overlap_weight {
                     b = b.decode_overlap_weight(w);
                 }
-                let mut router = b.build()?;
+                if let Some(t) = cfg.busy_threshold() {
+                    b = b.busy_threshold(t);
+                }
+                let mut router = b
+                    .cost_model(cfg.cost_model)
+                    .temperature(cfg.router_temperature)
+                    .predicted_ttl(std::time::Duration::from_micros(cfg.predicted_ttl_us))
+                    .build()?;
                 for w in workers.clone() {
                     router.add_worker(WorkerId::new(w as u64));
                 }
@@ -52,16 +59,26 @@ impl Routers {
         })
     }
 
-    /// Routes with the next replica in turn; returns (replica, engine).
+    /// Routes with the next replica in turn, at simulated time `now_us`; returns (replica,
+    /// engine).
     pub(crate) fn route(
         &mut self,
         id: usize,
         blocks: &[BlockHash],
+        now_us: u64,
     ) -> Result<(usize, usize), kvroute::Error> {
         let r = self.next;
         self.next = (self.next + 1) % self.replicas.len();
-        let d = self.replicas[r].route(RequestId::new(id as u64), blocks, self.role)?;
+        let router = &mut self.replicas[r];
+        router.set_clock(std::time::Duration::from_micros(now_us));
+        let d = router.route(RequestId::new(id as u64), blocks, self.role)?;
         Ok((r, d.worker.get() as usize))
+    }
+
+    /// Request `id` produced its first token: the replica that routed it moves it from pending
+    /// prefill to decode.
+    pub(crate) fn prefill_done(&mut self, replica: usize, id: usize) -> Result<(), kvroute::Error> {
+        self.replicas[replica].prefill_done(RequestId::new(id as u64))
     }
 
     /// Releases request `id`'s load in the replica that routed it.

@@ -63,7 +63,7 @@ mod workload;
 pub use config::{ArrivalModel, Popularity, SimConfig, TraceTiming};
 pub use engine::{Engine, EngineConfig, EngineRequest, Outcome, PlannedStep, Pool};
 pub use error::{Error, TraceError};
-pub use kvroute::Policy;
+pub use kvroute::{CostModel, Policy};
 pub use report::{InstanceReport, PdReport, PoolReport, Report, HOT_SPOT_THRESHOLD};
 pub use requests::{
     measured_report, workload_requests, MeasuredRequest, PromptContent, WorkloadRequest,

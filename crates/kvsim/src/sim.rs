@@ -10,7 +10,7 @@ use kvcache::KvEvent;
 use crate::config::SimConfig;
 use crate::engine::{EngineRequest, Outcome, Pool};
 use crate::error::Error;
-use crate::fleet::Fleet;
+use crate::fleet::{Fleet, Routers};
 use crate::report::{EngineRecord, Records, Report, RequestRecord};
 use crate::timing::TimingModel;
 use crate::workload::{RequestSpec, Workload};
@@ -569,7 +569,7 @@ impl<'a> Run<'a> {
             return;
         };
         let id = self.reqs.len();
-        let (router, engine) = match self.fleet.routers.route(id, &spec.blocks) {
+        let (router, engine) = match self.fleet.routers.route(id, &spec.blocks, self.now) {
             Ok(x) => x,
             Err(_) => {
                 self.router_errors += 1;
@@ -610,12 +610,28 @@ impl<'a> Run<'a> {
         self.schedule_next_arrival();
     }
 
+    /// Tells the router that routed the request on the given side that its first token came.
+    fn prefill_done(&mut self, r: usize, side: Pool) {
+        self.with_router(r, side, Routers::prefill_done);
+    }
+
     /// Releases the request's load in the router that routed it on the given side.
     fn release_router(&mut self, r: usize, side: Pool) {
+        self.with_router(r, side, Routers::finish);
+    }
+
+    /// Calls `f` with the routers of the given side, the replica that routed request `r` there,
+    /// and `r`; counts a failure.
+    fn with_router(
+        &mut self,
+        r: usize,
+        side: Pool,
+        f: fn(&mut Routers, usize, usize) -> Result<(), kvroute::Error>,
+    ) {
         let req = &self.reqs[r];
         let done = match (side, &mut self.fleet.decode_routers) {
-            (Pool::Decode, Some(d)) => d.finish(req.decode_router, r),
-            _ => self.fleet.routers.finish(req.router, r),
+            (Pool::Decode, Some(d)) => f(d, req.decode_router, r),
+            _ => f(&mut self.fleet.routers, req.router, r),
         };
         if done.is_err() {
             self.router_errors += 1;
@@ -713,7 +729,12 @@ impl<'a> Run<'a> {
                     rec.hits = cached_blocks;
                     rec.scheduled = now;
                 }
-                Outcome::FirstToken { id } => self.reqs[id as usize].rec.first_token = now,
+                Outcome::FirstToken { id } => {
+                    self.reqs[id as usize].rec.first_token = now;
+                    if self.cfg.tracks_prefill() {
+                        self.prefill_done(id as usize, pool);
+                    }
+                }
                 Outcome::PrefillDone { id, blocks } => self.hand_over(id as usize, blocks),
                 Outcome::Finished { id } => {
                     self.reqs[id as usize].rec.finish = now;
@@ -732,7 +753,7 @@ impl<'a> Run<'a> {
         let Some(decode) = self.fleet.decode_routers.as_mut() else {
             return;
         };
-        let (router, d) = match decode.route(r, &blocks) {
+        let (router, d) = match decode.route(r, &blocks, self.now) {
             Ok(x) => x,
             Err(_) => {
                 self.router_errors += 1;
@@ -896,6 +917,46 @@ mod tests {
         );
     }
 
+    /// The routing model's options, each off half the time.
+    #[derive(Debug, Clone, Copy)]
+    struct RoutingModel {
+        cost_model: kvroute::CostModel,
+        temperature: f64,
+        busy: Option<(f64, usize)>,
+        predicted_ttl_us: u64,
+    }
+
+    impl RoutingModel {
+        /// The default configuration with these options (the decode limit only with a capacity).
+        fn apply(self, kv: Option<usize>) -> SimConfig {
+            SimConfig {
+                cost_model: self.cost_model,
+                router_temperature: self.temperature,
+                busy_decode_fraction: self.busy.filter(|_| kv.is_some()).map(|b| b.0),
+                busy_prefill_tokens: self.busy.map(|b| b.1),
+                predicted_ttl_us: self.predicted_ttl_us,
+                ..SimConfig::default()
+            }
+        }
+    }
+
+    fn routing_model() -> impl Strategy<Value = RoutingModel> {
+        (
+            prop::sample::select(kvroute::CostModel::ALL.to_vec()),
+            prop::sample::select(vec![0.0f64, 0.5, 2.0]),
+            prop::option::of((prop::sample::select(vec![0.25f64, 0.8]), 0usize..2000)),
+            prop::sample::select(vec![0u64, 3_000, 50_000]),
+        )
+            .prop_map(
+                |(cost_model, temperature, busy, predicted_ttl_us)| RoutingModel {
+                    cost_model,
+                    temperature,
+                    busy,
+                    predicted_ttl_us,
+                },
+            )
+    }
+
     /// The records of a run, skipping quiet steps or not; and whether skipping gave up.
     fn records(cfg: &SimConfig, timing: LinearTiming, fast: bool) -> (Records, bool) {
         let timing: Arc<dyn TimingModel> = Arc::new(timing);
@@ -918,7 +979,8 @@ mod tests {
                           arrivals in prop::sample::select(vec![ArrivalModel::Constant, ArrivalModel::Poisson]),
                           rate in prop::sample::select(vec![10.0f64, 50.0, 200.0, 1000.0]),
                           timing in prop::sample::select(vec![(1000.0, 1.0, 0.0, 0.0), (1000.0, 0.0, 500.0, 0.0), (7050.0, 19.5, 25.4, 0.04), (2000.0, 2.0, 0.0, 1.0)]),
-                          input in 1usize..600, output in 1usize..60, seqs in 1usize..6, seed in 0u64..1000) {
+                          input in 1usize..600, output in 1usize..60, seqs in 1usize..6, seed in 0u64..1000,
+                          rm in routing_model()) {
             let cfg = SimConfig {
                 instances,
                 prefill_instances: pd.map(|p| p.0),
@@ -939,7 +1001,7 @@ mod tests {
                 num_requests: 80,
                 request_rate: rate,
                 seed,
-                ..SimConfig::default()
+                ..rm.apply(kv)
             };
             cfg.validate().unwrap();
             let t = LinearTiming::new(timing.0, timing.1, timing.2, timing.3);
@@ -961,7 +1023,8 @@ mod tests {
         fn runs_end_clean(instances in 1usize..5, pd in prop::option::of((1usize..3, 1usize..3)), routers in 1usize..4,
                           kv in prop::option::of(4usize..60), bs in prop::sample::select(vec![16usize, 64, 256]),
                           policy in prop::sample::select(Policy::ALL.to_vec()), delay in prop::sample::select(vec![0u64, 5_000]),
-                          input in 1usize..3000, output in 1usize..40, seqs in 1usize..8, seed in 0u64..1000) {
+                          input in 1usize..3000, output in 1usize..40, seqs in 1usize..8, seed in 0u64..1000,
+                          rm in routing_model()) {
             let cfg = SimConfig {
                 instances,
                 prefill_instances: pd.map(|p| p.0),
@@ -980,7 +1043,7 @@ mod tests {
                 num_requests: 60,
                 request_rate: 40.0,
                 seed,
-                ..SimConfig::default()
+                ..rm.apply(kv)
             };
             cfg.validate().unwrap();
             let (c, routers, leftovers) = finished_run(&cfg);
@@ -990,6 +1053,7 @@ mod tests {
             for router in &routers {
                 prop_assert_eq!(router.in_flight_total(), 0);
                 for w in router.workers() {
+                    prop_assert_eq!((router.pending_prefill_blocks(w), router.decode_blocks(w)), (0, 0));
                     prop_assert_eq!(router.cache_view(w), c.engines[w.get() as usize].resident_blocks);
                 }
             }

@@ -55,7 +55,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use arbitrary::Arbitrary;
 use kvblock::{BlockHash, BlockHasher, BlockSize};
 use kvcache::{IndexSnapshot, KvEvent, WorkerId};
-use kvroute::{Decision, Error, Policy, RequestId, Role, Router};
+use std::time::Duration;
+
+use kvroute::{BusyThreshold, CostModel, Decision, Error, Policy, RequestId, Role, Router};
 
 use crate::index as index_model;
 
@@ -123,6 +125,17 @@ pub struct Config {
     pub vnodes: u8,
     /// `[1, 2, 3, 16][b % 4]` tokens.
     pub block_size: u8,
+    /// `CostModel::ALL[c % 2]`.
+    pub cost_model: u8,
+    /// The temperature, when set (an invalid one must be rejected).
+    pub temperature: Option<Weight>,
+    /// The busy threshold's decode limit, when set: fraction `(f % 8) / 4` of capacity `c % 8`
+    /// blocks (0 of either is invalid).
+    pub busy_decode: Option<(u8, u8)>,
+    /// The busy threshold's pending-prefill budget in tokens, when set.
+    pub busy_prefill: Option<u8>,
+    /// Predicted blocks' time to live in milliseconds (0: off).
+    pub predicted_ttl_ms: u8,
 }
 
 /// A KV event, as codes of paths (see [`crate::chains`]).
@@ -200,6 +213,10 @@ pub enum Op {
     },
     /// `clear_worker`.
     ClearWorker(u8),
+    /// `prefill_done(request)`.
+    PrefillDone(u8),
+    /// `set_clock` to the model's time plus this many milliseconds.
+    Clock(u8),
     /// `explain(blocks, role)`.
     Explain {
         /// The prompt's blocks.
@@ -267,6 +284,8 @@ fn valid_weight(w: f64) -> bool {
 struct Req {
     worker: WorkerId,
     blocks: Vec<BlockHash>,
+    /// Its uncached blocks until its first token.
+    prefill: Option<usize>,
     /// Still counted in its worker's load (false once the worker was removed or the index
     /// restored: both reset load).
     counts: bool,
@@ -287,6 +306,24 @@ struct Model {
     /// and every worker added since. A key with no entry may map anywhere.
     homes: BTreeMap<BlockHash, BTreeSet<WorkerId>>,
     snapshots: Vec<(IndexSnapshot, index_model::Model)>,
+    cost_model: CostModel,
+    temperature: f64,
+    busy: Option<BusyThreshold>,
+    block_size: usize,
+    /// Predicted blocks' time to live, and the clock, in milliseconds.
+    ttl: u64,
+    now: u64,
+    /// Per worker: predicted blocks and when each lapses.
+    predicted: BTreeMap<WorkerId, BTreeMap<BlockHash, u64>>,
+}
+
+/// A worker's load as the model counts it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Load {
+    active: usize,
+    requests: usize,
+    pending: usize,
+    decode: usize,
 }
 
 impl Model {
@@ -300,15 +337,69 @@ impl Model {
             Role::Decode => self.weights[2],
         }
     }
-    fn load(&self, w: WorkerId) -> (usize, usize) {
+    fn load_of(&self, w: WorkerId) -> Load {
         let reqs: Vec<&Req> = self
             .inflight
             .values()
             .filter(|r| r.counts && r.worker == w)
             .collect();
-        let distinct: BTreeSet<BlockHash> =
-            reqs.iter().flat_map(|r| r.blocks.iter().copied()).collect();
-        (distinct.len(), reqs.len())
+        let distinct = |f: &dyn Fn(&Req) -> bool| {
+            reqs.iter()
+                .filter(|r| f(r))
+                .flat_map(|r| r.blocks.iter().copied())
+                .collect::<BTreeSet<BlockHash>>()
+                .len()
+        };
+        Load {
+            active: distinct(&|_| true),
+            requests: reqs.len(),
+            pending: reqs.iter().filter_map(|r| r.prefill).sum(),
+            decode: distinct(&|r| r.prefill.is_none()),
+        }
+    }
+    /// The leading run `w` holds or is predicted to hold.
+    fn hits(&self, w: WorkerId, b: &[BlockHash]) -> usize {
+        let mut r = self.index.run(w, b);
+        let (Some(pred), Some(held)) = (self.predicted.get(&w), self.index.workers.get(&w)) else {
+            return r;
+        };
+        while r < b.len()
+            && (pred.get(&b[r]).is_some_and(|&t| t > self.now) || held.blocks.contains(&b[r]))
+        {
+            r += 1;
+        }
+        r
+    }
+    fn predicted_count(&self, w: WorkerId) -> usize {
+        self.predicted
+            .get(&w)
+            .map_or(0, |p| p.values().filter(|&&t| t > self.now).count())
+    }
+    fn cost(&self, w: WorkerId, weight: f64, n: usize, hits: usize) -> f64 {
+        let l = self.load_of(w);
+        match self.cost_model {
+            CostModel::PrefillAware => {
+                kvroute::prefill_aware_cost(weight, n, hits, l.pending, l.decode)
+            }
+            _ => kvroute::cost(weight, n, hits, l.active),
+        }
+    }
+    fn busy(&self, w: WorkerId) -> bool {
+        let Some(b) = self.busy else {
+            return false;
+        };
+        let l = self.load_of(w);
+        b.decode_limit()
+            .is_some_and(|(f, cap)| l.decode as f64 > f * cap as f64)
+            || b.prefill_limit()
+                .is_some_and(|t| l.pending * self.block_size > t)
+    }
+    fn load_term(&self, w: WorkerId) -> usize {
+        let l = self.load_of(w);
+        match self.cost_model {
+            CostModel::PrefillAware => l.pending + l.decode,
+            _ => l.active,
+        }
     }
     fn added(&mut self, w: WorkerId) {
         for set in self.homes.values_mut() {
@@ -324,6 +415,7 @@ impl Model {
         // A key that may live on `w` moves to whichever node follows on the ring: any worker.
         // Keys that cannot live on `w` stay where they are.
         self.homes.retain(|_, s| !s.contains(&w));
+        self.predicted.remove(&w);
     }
 }
 
@@ -373,9 +465,34 @@ impl Harness {
         if let Some(w) = decode {
             b = b.decode_overlap_weight(w);
         }
-        let weights = [Some(weight), prefill, decode];
+        let cost_model = CostModel::ALL[usize::from(c.cost_model) % CostModel::ALL.len()];
+        let temperature = c.temperature.map(Weight::value);
+        let mut busy = None;
+        let mut bad_busy = false;
+        if c.busy_decode.is_some() || c.busy_prefill.is_some() {
+            let mut t = BusyThreshold::new();
+            if let Some((f, cap)) = c.busy_decode {
+                let (f, cap) = (f64::from(f % 8) / 4.0, usize::from(cap % 8));
+                bad_busy = f == 0.0 || cap == 0;
+                t = t.decode_fraction(f, cap);
+            }
+            if let Some(tokens) = c.busy_prefill {
+                t = t.prefill_tokens(usize::from(tokens));
+            }
+            b = b.busy_threshold(t);
+            busy = Some(t);
+        }
+        let ttl = u64::from(c.predicted_ttl_ms);
+        b = b
+            .cost_model(cost_model)
+            .predicted_ttl(Duration::from_millis(ttl));
+        if let Some(t) = temperature {
+            b = b.temperature(t);
+        }
+        let weights = [Some(weight), prefill, decode, temperature];
         let bad_weight = weights.iter().flatten().any(|&w| !valid_weight(w));
-        let valid = !bad_weight && prefix_blocks >= 1 && (1..=65_536).contains(&vnodes);
+        let valid =
+            !bad_weight && !bad_busy && prefix_blocks >= 1 && (1..=65_536).contains(&vnodes);
         match b.build() {
             Ok(router) => {
                 assert!(valid, "build accepted {c:?}");
@@ -391,10 +508,19 @@ impl Harness {
                     );
                 }
                 assert_eq!((router.policy(), router.block_size()), (policy, block_size));
+                assert_eq!(
+                    (router.cost_model(), router.busy_threshold()),
+                    (cost_model, busy)
+                );
                 let model = Model {
                     policy: Some(policy),
                     weights,
                     prefix_blocks,
+                    cost_model,
+                    temperature: temperature.unwrap_or(0.0),
+                    busy,
+                    block_size: bs,
+                    ttl,
                     ..Model::default()
                 };
                 Some(Harness {
@@ -406,6 +532,14 @@ impl Harness {
             Err(e) => {
                 assert!(!valid, "build rejected a valid {c:?}: {e}");
                 match e {
+                    Error::InvalidWeight {
+                        name: "busy decode fraction",
+                        ..
+                    }
+                    | Error::InvalidSetting {
+                        name: "busy capacity blocks",
+                        ..
+                    } => assert!(bad_busy && !bad_weight, "{e}"),
                     Error::InvalidWeight { value, .. } => {
                         assert!(bad_weight, "{e}");
                         assert!(
@@ -416,7 +550,7 @@ impl Harness {
                             "{e} names a weight that was not given"
                         );
                     }
-                    Error::InvalidSetting { .. } => assert!(!bad_weight, "{e}"),
+                    Error::InvalidSetting { .. } => assert!(!bad_weight && !bad_busy, "{e}"),
                     e => panic!("build: unexpected error {e}"),
                 }
                 None
@@ -475,6 +609,27 @@ impl Harness {
                     );
                 }
             }
+            Op::PrefillDone(id) => {
+                let id = request(*id);
+                let r = router.prefill_done(RequestId::new(id));
+                match m.inflight.get_mut(&id) {
+                    Some(req) => {
+                        assert_eq!(r, Ok(()), "prefill_done {id}");
+                        req.prefill = None;
+                    }
+                    None => assert_eq!(
+                        r,
+                        Err(Error::UnknownRequest {
+                            request_id: RequestId::new(id)
+                        }),
+                        "prefill_done {id}"
+                    ),
+                }
+            }
+            Op::Clock(dt) => {
+                m.now += u64::from(*dt);
+                router.set_clock(Duration::from_millis(m.now));
+            }
             Op::Add(w) => {
                 let w = worker(*w);
                 m.seen.insert(w);
@@ -513,6 +668,20 @@ impl Harness {
                     if let Err(e) = index_model::same_outcome(&r, &mm, id) {
                         panic!("apply {w} {id} {ev:?}: {e}");
                     }
+                    if r.is_ok() {
+                        // The worker's events confirm its predictions (or clear them).
+                        if let Some(p) = m.predicted.get_mut(&w) {
+                            match &ev {
+                                KvEvent::Stored { blocks, .. } => {
+                                    for b in blocks {
+                                        p.remove(b);
+                                    }
+                                }
+                                KvEvent::Cleared => p.clear(),
+                                KvEvent::Removed { .. } => {}
+                            }
+                        }
+                    }
                 } else {
                     assert_eq!(r, Err(Error::UnknownWorker { worker: w }), "apply to {w}");
                 }
@@ -521,6 +690,9 @@ impl Harness {
                 let w = worker(*w);
                 m.seen.insert(w);
                 assert_eq!(router.clear_worker(w), m.index.clear(w), "clear {w}");
+                if m.index.workers.contains_key(&w) {
+                    m.predicted.remove(&w);
+                }
             }
             Op::Explain { blocks: b, role: r } => {
                 let (b, r) = (blocks(b), role(*r));
@@ -530,18 +702,30 @@ impl Harness {
                     .registered()
                     .into_iter()
                     .map(|w| {
-                        let (hits, (active, _)) = (m.index.run(w, &b), m.load(w));
+                        let (hits, l) = (m.hits(w, &b), m.load_of(w));
                         (
                             w,
                             hits,
-                            active,
-                            kvroute::cost(weight, b.len(), hits, active).to_bits(),
+                            (l.active, l.pending, l.decode, m.busy(w)),
+                            m.cost(w, weight, b.len(), hits).to_bits(),
                         )
                     })
                     .collect();
                 let got: Vec<_> = got
                     .iter()
-                    .map(|c| (c.worker, c.cache_hits, c.active_blocks, c.cost.to_bits()))
+                    .map(|c| {
+                        (
+                            c.worker,
+                            c.cache_hits,
+                            (
+                                c.active_blocks,
+                                c.pending_prefill_blocks,
+                                c.decode_blocks,
+                                c.busy,
+                            ),
+                            c.cost.to_bits(),
+                        )
+                    })
                     .collect();
                 assert_eq!(got, want, "explain {b:?} {r:?}");
             }
@@ -571,6 +755,7 @@ impl Harness {
                     for r in m.inflight.values_mut() {
                         r.counts = false;
                     }
+                    m.predicted.clear();
                 }
             }
             Op::RestoreBad { k, how } => {
@@ -638,14 +823,14 @@ fn route(
         registered.contains(&d.worker),
         "{d:?} names an unregistered worker"
     );
-    let hits = m.index.run(d.worker, &blocks);
-    let (active, _) = m.load(d.worker);
+    let hits = m.hits(d.worker, &blocks);
+    assert!(hits <= n, "{d:?}: more hits than blocks");
     assert_eq!(
         (d.request_blocks, d.cache_hits),
         (n, hits),
         "{d:?}: request blocks / hits"
     );
-    let want = kvroute::cost(weight, n, hits, active);
+    let want = m.cost(d.worker, weight, n, hits);
     assert_eq!(
         d.cost.to_bits(),
         want.to_bits(),
@@ -653,8 +838,25 @@ fn route(
     );
     match m.policy.expect("built") {
         Policy::Kv => {
-            let best = before.iter().map(|c| c.cost).fold(f64::INFINITY, f64::min);
-            assert_eq!(d.cost, best, "{d:?} is not a lowest cost of {before:?}");
+            let free: Vec<_> = before.iter().filter(|c| !c.busy).collect();
+            if free.is_empty() {
+                // Every worker busy: the least loaded.
+                let least = registered.iter().map(|&w| m.load_term(w)).min();
+                assert_eq!(
+                    Some(m.load_term(d.worker)),
+                    least,
+                    "{d:?}: all busy, not least loaded"
+                );
+            } else {
+                assert!(
+                    !m.busy(d.worker),
+                    "{d:?} went to a busy worker of {before:?}"
+                );
+                if m.temperature == 0.0 {
+                    let best = free.iter().map(|c| c.cost).fold(f64::INFINITY, f64::min);
+                    assert_eq!(d.cost, best, "{d:?} is not a lowest cost of {before:?}");
+                }
+            }
         }
         Policy::RoundRobin => {
             assert_eq!(
@@ -685,10 +887,18 @@ fn route(
         }
         _ => {}
     }
+    if m.ttl > 0 {
+        let lapses = m.now + m.ttl;
+        let p = m.predicted.entry(d.worker).or_default();
+        for &b in &blocks[hits..] {
+            p.insert(b, lapses);
+        }
+    }
     m.inflight.insert(
         id,
         Req {
             worker: d.worker,
+            prefill: Some(n - hits),
             blocks,
             counts: true,
         },
@@ -706,11 +916,21 @@ fn check_state(router: &Router, m: &Model) {
         "in_flight_total"
     );
     for w in m.seen.iter().chain(m.index.workers.keys()) {
-        let (active, reqs) = m.load(*w);
+        let l = m.load_of(*w);
         assert_eq!(
-            (router.active_blocks(*w), router.in_flight(*w)),
-            (active, reqs),
-            "{w}: (active blocks, in-flight requests)"
+            (
+                router.active_blocks(*w),
+                router.in_flight(*w),
+                router.pending_prefill_blocks(*w),
+                router.decode_blocks(*w)
+            ),
+            (l.active, l.requests, l.pending, l.decode),
+            "{w}: (active blocks, in-flight requests, pending prefill, decode blocks)"
+        );
+        assert_eq!(
+            router.predicted_blocks(*w),
+            m.predicted_count(*w),
+            "{w}: predicted blocks"
         );
         let view = m.index.workers.get(w).map_or(0, |s| s.blocks.len());
         assert_eq!(router.cache_view(*w), view, "{w}: cache view");
@@ -756,9 +976,11 @@ pub mod strategy {
             prop_oneof![19 => 1u8..4, 1 => Just(0u8)],
             0u8..8,
             any::<u8>(),
+            model(),
         )
             .prop_map(
-                |(policy, weight, prefill, decode, seed, prefix_blocks, vnodes, block_size)| {
+                |(policy, weight, prefill, decode, seed, prefix_blocks, vnodes, block_size, m)| {
+                    let (cost_model, temperature, busy_decode, busy_prefill, predicted_ttl_ms) = m;
                     Config {
                         policy,
                         weight,
@@ -768,9 +990,30 @@ pub mod strategy {
                         prefix_blocks,
                         vnodes,
                         block_size,
+                        cost_model,
+                        temperature,
+                        busy_decode,
+                        busy_prefill,
+                        predicted_ttl_ms,
                     }
                 },
             )
+    }
+
+    /// The routing model's settings: each off half the time; busy limits small enough to bite,
+    /// now and then an invalid one.
+    #[allow(clippy::type_complexity)]
+    fn model() -> impl Strategy<Value = (u8, Option<Weight>, Option<(u8, u8)>, Option<u8>, u8)> {
+        (
+            0u8..2,
+            prop::option::of(weight()),
+            prop::option::of((
+                prop_oneof![9 => 1u8..8, 1 => Just(0u8)],
+                prop_oneof![9 => 1u8..8, 1 => Just(0u8)],
+            )),
+            prop::option::of(0u8..48),
+            prop_oneof![Just(0u8), 1u8..40],
+        )
     }
 
     /// Workers 0..5 mostly, and now and then 1000 or `u64::MAX`.
@@ -804,6 +1047,8 @@ pub mod strategy {
             2 => (request(), prop::collection::vec(0u8..3, 0..12), 0u8..3)
                 .prop_map(|(id, tokens, role)| Op::RouteTokens { id, tokens, role }),
             4 => request().prop_map(Op::Finish),
+            2 => request().prop_map(Op::PrefillDone),
+            1 => (0u8..30).prop_map(Op::Clock),
             1 => worker().prop_map(Op::Add),
             1 => worker().prop_map(Op::Remove),
             4 => (worker(), prop_oneof![8 => Just(0i8), 1 => -2i8..0, 1 => 1i8..3], event())

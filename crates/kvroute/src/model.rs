@@ -1,0 +1,231 @@
+//! The routing model beyond the source document's cost: the prefill-aware cost, busy
+//! thresholds and temperature sampling. Each is off by default; the defaults route exactly as
+//! the source document does.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::Error;
+
+/// Which cost the `Kv` policy minimises (see [`RouterBuilder::cost_model`](crate::RouterBuilder::cost_model)).
+///
+/// ```
+/// use kvroute::CostModel;
+/// assert_eq!("prefill-aware".parse::<CostModel>()?, CostModel::PrefillAware);
+/// assert_eq!(CostModel::default().to_string(), "seed");
+/// # Ok::<(), kvroute::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum CostModel {
+    /// The source document's [`cost`](crate::cost):
+    /// `overlap_weight × (request_blocks − hits) + active_blocks`, where a request still
+    /// prefilling weighs like one that decodes.
+    #[default]
+    Seed,
+    /// [`prefill_aware_cost`]: the prefill a worker still owes its earlier requests is weighed
+    /// like the prefill this request would add, and only decoding requests count as load.
+    PrefillAware,
+}
+
+impl CostModel {
+    /// Every cost model, in the order of the CLI's accepted values.
+    pub const ALL: [CostModel; 2] = [CostModel::Seed, CostModel::PrefillAware];
+
+    /// The model's name as the CLI spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            CostModel::Seed => "seed",
+            CostModel::PrefillAware => "prefill-aware",
+        }
+    }
+}
+
+impl fmt::Display for CostModel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for CostModel {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        CostModel::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| Error::UnknownCostModel { got: s.to_string() })
+    }
+}
+
+/// The prefill-aware cost of a worker:
+/// `overlap_weight × (pending_prefill_blocks + request_blocks − cache_hits) + decode_blocks`.
+///
+/// `pending_prefill_blocks` are the uncached prompt blocks of the worker's requests that have not
+/// produced their first token yet; `decode_blocks` the distinct prompt blocks of its requests
+/// past their first token. Prefill is where a request's time to first token goes, so the prefill
+/// queue a worker already has counts with the same weight as the prefill this request would add;
+/// the source document's [`cost`](crate::cost) counts it once, like decode load.
+///
+/// ```
+/// use kvroute::{cost, prefill_aware_cost};
+/// // W0 holds 8 of the 10 blocks but still prefills 30 uncached blocks of an earlier request;
+/// // W1 holds nothing and decodes 20 blocks. With overlap weight 2:
+/// assert_eq!(cost(2.0, 10, 8, 30), 34.0); // the seed's cost prefers W0 (34 < 40) ...
+/// assert_eq!(cost(2.0, 10, 0, 20), 40.0);
+/// assert_eq!(prefill_aware_cost(2.0, 10, 8, 30, 0), 64.0); // ... which must first prefill 32 blocks
+/// assert_eq!(prefill_aware_cost(2.0, 10, 0, 0, 20), 40.0); // W1 wins
+/// ```
+#[inline]
+pub fn prefill_aware_cost(
+    overlap_weight: f64,
+    request_blocks: usize,
+    cache_hits: usize,
+    pending_prefill_blocks: usize,
+    decode_blocks: usize,
+) -> f64 {
+    let prefill = pending_prefill_blocks.saturating_add(request_blocks.saturating_sub(cache_hits));
+    overlap_weight * prefill as f64 + decode_blocks as f64
+}
+
+/// When a worker is too busy to take a request (see
+/// [`RouterBuilder::busy_threshold`](crate::RouterBuilder::busy_threshold)): its decode blocks
+/// exceed a fraction of its capacity, or its pending prefill exceeds a token budget. The `Kv`
+/// policy skips busy workers unless every worker is busy; then it takes the least loaded one.
+///
+/// ```
+/// use kvroute::BusyThreshold;
+/// let t = BusyThreshold::new().decode_fraction(0.9, 4_000).prefill_tokens(16_384);
+/// assert_eq!(t.decode_limit(), Some((0.9, 4_000)));
+/// assert_eq!(t.prefill_limit(), Some(16_384));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[must_use]
+pub struct BusyThreshold {
+    decode: Option<(f64, usize)>,
+    prefill_tokens: Option<usize>,
+}
+
+impl BusyThreshold {
+    /// No limit yet: nobody is busy.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Busy when a worker's decode blocks exceed `fraction × capacity_blocks`.
+    pub fn decode_fraction(mut self, fraction: f64, capacity_blocks: usize) -> Self {
+        self.decode = Some((fraction, capacity_blocks));
+        self
+    }
+
+    /// Busy when a worker's pending prefill exceeds `tokens` (its pending prefill blocks times
+    /// the router's block size).
+    pub fn prefill_tokens(mut self, tokens: usize) -> Self {
+        self.prefill_tokens = Some(tokens);
+        self
+    }
+
+    /// The decode limit: (fraction, capacity in blocks).
+    pub fn decode_limit(&self) -> Option<(f64, usize)> {
+        self.decode
+    }
+
+    /// The pending-prefill budget, in tokens.
+    pub fn prefill_limit(&self) -> Option<usize> {
+        self.prefill_tokens
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), Error> {
+        if let Some((f, cap)) = self.decode {
+            if !(f.is_finite() && f > 0.0) {
+                return Err(Error::InvalidWeight {
+                    name: "busy decode fraction",
+                    value: f,
+                });
+            }
+            if cap == 0 {
+                return Err(Error::InvalidSetting {
+                    name: "busy capacity blocks",
+                    value: 0,
+                    expected: "at least 1",
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether a worker with this load is busy.
+    #[inline]
+    pub(crate) fn is_busy(&self, decode_blocks: usize, pending_prefill_tokens: usize) -> bool {
+        self.decode
+            .is_some_and(|(f, cap)| decode_blocks as f64 > f * cap as f64)
+            || self
+                .prefill_tokens
+                .is_some_and(|t| pending_prefill_tokens > t)
+    }
+}
+
+/// Samples index `k` of `costs` with probability ∝ `exp(−(costs[k] − min) / (t × (max − min)))`,
+/// `u` uniform in [0, 1): at temperature 1 the worst candidate is `e` times less likely than the
+/// best. `None` when the spread is zero or not finite (the caller breaks the tie as at
+/// temperature 0).
+pub(crate) fn sample_softmax(costs: &[f64], t: f64, u: f64) -> Option<usize> {
+    let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = costs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let scale = t * (max - min);
+    if !(scale.is_finite() && scale > 0.0) {
+        return None;
+    }
+    let weight = |c: f64| (-(c - min) / scale).exp();
+    let total: f64 = costs.iter().map(|&c| weight(c)).sum();
+    let mut left = u * total;
+    for (k, &c) in costs.iter().enumerate() {
+        left -= weight(c);
+        if left < 0.0 {
+            return Some(k);
+        }
+    }
+    // Rounding left a sliver past the last weight: the last candidate.
+    Some(costs.len() - 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn softmax_follows_its_formula() {
+        // Costs 0 and 1 at t = 1: weights 1 and 1/e, so P(first) = e / (e + 1) = 0.7311.
+        let p0 = std::f64::consts::E / (std::f64::consts::E + 1.0);
+        assert_eq!(sample_softmax(&[0.0, 1.0], 1.0, p0 - 1e-9), Some(0));
+        assert_eq!(sample_softmax(&[0.0, 1.0], 1.0, p0 + 1e-9), Some(1));
+        assert_eq!(sample_softmax(&[5.0, 5.0], 1.0, 0.5), None);
+        assert_eq!(sample_softmax(&[0.0, f64::INFINITY], 1.0, 0.5), None);
+        assert_eq!(sample_softmax(&[0.0, 1.0], 0.0, 0.5), None);
+        // The scale is the spread: costs 10 and 20 sample like 0 and 1.
+        assert_eq!(sample_softmax(&[10.0, 20.0], 1.0, p0 + 1e-9), Some(1));
+        assert_eq!(sample_softmax(&[0.0, 1.0], 1.0, 1.0 - 1e-17), Some(1));
+    }
+
+    #[test]
+    fn busy_limits_are_strict() {
+        let t = BusyThreshold::new()
+            .decode_fraction(0.5, 100)
+            .prefill_tokens(64);
+        assert!(!t.is_busy(50, 64));
+        assert!(t.is_busy(51, 0));
+        assert!(t.is_busy(0, 65));
+        assert!(!BusyThreshold::new().is_busy(usize::MAX, usize::MAX));
+        assert!(BusyThreshold::new()
+            .decode_fraction(0.0, 1)
+            .validate()
+            .is_err());
+        assert!(BusyThreshold::new()
+            .decode_fraction(1.0, 0)
+            .validate()
+            .is_err());
+        assert!(BusyThreshold::new()
+            .decode_fraction(f64::NAN, 1)
+            .validate()
+            .is_err());
+    }
+}
