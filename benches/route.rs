@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvkit::kvblock::{BlockHash, BlockHasher, BlockSize};
 use kvkit::kvcache::{KvEvent, WorkerId};
-use kvkit::kvroute::{Policy, RequestId, Role, Router};
+use kvkit::kvroute::{BusyThreshold, CostModel, Policy, RequestId, Role, Router, RouterBuilder};
 use kvtest::splitmix;
 
 const BLOCK_SIZE: usize = 16;
@@ -123,7 +123,13 @@ impl Corpus {
 /// A `Kv` router over `workers` workers whose index holds about [`TARGET_PAIRS`] pairs, with
 /// [`IN_FLIGHT_PER_WORKER`] requests per worker in flight, and [`QUERIES`] fresh prompts.
 fn fixture(workers: usize) -> (Router, Vec<Prompt>) {
-    let mut router = Router::builder()
+    fixture_with(workers, Router::builder())
+}
+
+/// [`fixture`] with a router built from `builder` (its block size, policy, weight and seed
+/// replaced by the fixture's).
+fn fixture_with(workers: usize, builder: RouterBuilder) -> (Router, Vec<Prompt>) {
+    let mut router = builder
         .block_size(BlockSize::new(BLOCK_SIZE).expect("non-zero"))
         .policy(Policy::Kv)
         .overlap_weight(1.0)
@@ -281,5 +287,44 @@ fn route_tokens(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, route_only, route, route_tokens);
+/// `route + finish` with every option of the routing model on: the prefill-aware cost (each
+/// request's first token reported before it finishes), temperature sampling, a busy threshold
+/// that rarely bites, and predicted blocks that lapse after 50 requests (1 ms each on the clock).
+fn route_model(c: &mut Criterion) {
+    let mut group = c.benchmark_group("route + prefill_done + finish, every option on");
+    group.throughput(Throughput::Elements(1));
+    for &workers in &[64usize, 1_024] {
+        let builder = Router::builder()
+            .cost_model(CostModel::PrefillAware)
+            .temperature(0.5)
+            .busy_threshold(
+                BusyThreshold::new()
+                    .decode_fraction(0.9, 4 * 128)
+                    .prefill_tokens(1 << 16),
+            )
+            .predicted_ttl(Duration::from_millis(50));
+        let (mut router, queries) = fixture_with(workers, builder);
+        let mut request = 1u64 << 32;
+        group.bench_function(
+            BenchmarkId::new("128 blocks", format!("{workers} workers")),
+            |b| {
+                b.iter(|| {
+                    let q = &queries[request as usize % QUERIES];
+                    router.set_clock(Duration::from_millis(request - (1 << 32)));
+                    let id = RequestId::new(request);
+                    let d = router
+                        .route(id, black_box(&q.blocks), Role::Unified)
+                        .expect("routable");
+                    router.prefill_done(id).expect("in flight");
+                    router.finish(id).expect("in flight");
+                    request += 1;
+                    black_box(d)
+                })
+            },
+        );
+    }
+    group.finish();
+}
+
+criterion_group!(benches, route_only, route, route_tokens, route_model);
 criterion_main!(benches);

@@ -62,6 +62,23 @@ pub struct Config {
     /// Largest request body accepted; larger ones get 413.
     #[arg(long, default_value_t = 16 << 20, value_name = "BYTES")]
     pub max_body_bytes: usize,
+    /// kv-aware policy: seed (W x missed blocks + active blocks) or prefill-aware (W x
+    /// (pending prefill + missed blocks) + decode blocks; a request decodes from its first
+    /// streamed chunk on).
+    #[arg(long, default_value = "seed", value_name = "MODEL")]
+    pub cost_model: CostModelName,
+    /// kv-aware policy: 0 takes the lowest cost; T > 0 samples workers with probability
+    /// exp(-(cost - min) / (T x (max - min))).
+    #[arg(long, default_value_t = 0.0, value_name = "T")]
+    pub router_temperature: f64,
+    /// kv-aware policy: skip busy workers unless all are. decode=F,capacity=BLOCKS: decode
+    /// blocks above F x BLOCKS; prefill-tokens=N: pending prefill above N tokens.
+    #[arg(long, value_name = "decode=F,capacity=BLOCKS,prefill-tokens=N")]
+    pub busy_threshold: Option<BusyLimits>,
+    /// Count a routed request's blocks as hits on its worker for this long, or until its KV
+    /// events confirm them (0 = off), milliseconds.
+    #[arg(long, default_value_t = 0, value_name = "MS")]
+    pub predicted_ttl_ms: u64,
 }
 
 const EXAMPLES: &str = "Examples:
@@ -118,6 +135,66 @@ impl From<PolicyName> for kvroute::Policy {
             PolicyName::RoundRobin => kvroute::Policy::RoundRobin,
             PolicyName::Random => kvroute::Policy::Random,
         }
+    }
+}
+
+/// `--cost-model`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CostModelName(pub kvroute::CostModel);
+
+impl FromStr for CostModelName {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        s.parse()
+            .map(CostModelName)
+            .map_err(|e: kvroute::Error| e.to_string())
+    }
+}
+
+/// `--busy-threshold`: its `key=value` parts.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct BusyLimits {
+    /// `decode=F`.
+    pub decode: Option<f64>,
+    /// `capacity=BLOCKS`.
+    pub capacity: Option<usize>,
+    /// `prefill-tokens=N`.
+    pub prefill_tokens: Option<usize>,
+}
+
+impl BusyLimits {
+    /// The threshold these limits make; an error when `decode` comes without `capacity`.
+    pub fn threshold(&self) -> Result<kvroute::BusyThreshold, String> {
+        let mut t = kvroute::BusyThreshold::new();
+        match (self.decode, self.capacity) {
+            (Some(f), Some(cap)) => t = t.decode_fraction(f, cap),
+            (None, None) => {}
+            _ => return Err("decode=F and capacity=BLOCKS go together".to_string()),
+        }
+        if let Some(n) = self.prefill_tokens {
+            t = t.prefill_tokens(n);
+        }
+        Ok(t)
+    }
+}
+
+impl FromStr for BusyLimits {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let mut l = BusyLimits::default();
+        for part in s.split(',') {
+            let bad =
+                || format!("expected decode=F, capacity=BLOCKS, prefill-tokens=N; got {part:?}");
+            let (key, value) = part.split_once('=').ok_or_else(bad)?;
+            let value = value.trim();
+            match key.trim() {
+                "decode" => l.decode = Some(value.parse().map_err(|_| bad())?),
+                "capacity" => l.capacity = Some(value.parse().map_err(|_| bad())?),
+                "prefill-tokens" => l.prefill_tokens = Some(value.parse().map_err(|_| bad())?),
+                _ => return Err(bad()),
+            }
+        }
+        Ok(l)
     }
 }
 

@@ -202,13 +202,17 @@ async fn forward(
     for _ in 0..server.workers().len().max(1) {
         let id = server.next_request_id();
         let started = Instant::now();
-        let decision = server.mirror().router.route_tokens_keyed(
-            id,
-            tokens,
-            &kvroute::Salt::default(),
-            &keys,
-            Role::Unified,
-        );
+        let decision = {
+            let mut mirror = server.mirror();
+            mirror.router.set_clock(server.started.elapsed());
+            mirror.router.route_tokens_keyed(
+                id,
+                tokens,
+                &kvroute::Salt::default(),
+                &keys,
+                Role::Unified,
+            )
+        };
         server.observe_route(started.elapsed().as_micros() as u64);
         let d = match decision {
             Ok(d) => d,
@@ -290,10 +294,18 @@ fn stream_back(
     worker: Arc<Worker>,
 ) -> Response {
     let (parts, body) = resp.into_parts();
+    let mut prefilling = guard.server.tracks_prefill;
     let stream = BodyStream::new(body).filter_map(move |frame| {
         // The guard lives as long as the stream: dropped at its end, or with the client.
         let out = match frame {
-            Ok(f) => f.into_data().ok().map(Ok),
+            Ok(f) => {
+                if prefilling {
+                    // The first chunk carries the first token: the request now decodes.
+                    prefilling = false;
+                    let _ = guard.server.mirror().router.prefill_done(guard.id);
+                }
+                f.into_data().ok().map(Ok)
+            }
             Err(e) => {
                 worker.upstream_errors.fetch_add(1, Ordering::Relaxed);
                 // It broke off mid-stream: skip it until its /health answers again.

@@ -88,6 +88,10 @@ pub struct Server {
     pub counters: Counters,
     next_request: AtomicU64,
     pub(crate) client: HttpClient,
+    /// The router's clock (predicted blocks lapse by it) starts with the server.
+    pub(crate) started: std::time::Instant,
+    /// Whether the router needs each request's first token (`Router::prefill_done`).
+    pub(crate) tracks_prefill: bool,
 }
 
 impl std::fmt::Debug for Server {
@@ -107,6 +111,15 @@ impl Server {
         })?;
         let setting = |e: kvroute::Error| ServerError::Setting {
             flag: match &e {
+                kvroute::Error::InvalidWeight { name, .. } if name.contains("temperature") => {
+                    "--router-temperature"
+                }
+                kvroute::Error::InvalidWeight { name, .. }
+                | kvroute::Error::InvalidSetting { name, .. }
+                    if name.contains("busy") =>
+                {
+                    "--busy-threshold"
+                }
                 kvroute::Error::InvalidWeight { name, .. } if name.contains("prefill") => {
                     "--kv-prefill-overlap-weight"
                 }
@@ -128,7 +141,19 @@ impl Server {
         if let Some(w) = cfg.kv_decode_overlap_weight {
             b = b.decode_overlap_weight(w);
         }
-        let router = b.build().map_err(setting)?;
+        if let Some(limits) = &cfg.busy_threshold {
+            let t = limits.threshold().map_err(|message| ServerError::Setting {
+                flag: "--busy-threshold",
+                message,
+            })?;
+            b = b.busy_threshold(t);
+        }
+        let router = b
+            .cost_model(cfg.cost_model.0)
+            .temperature(cfg.router_temperature)
+            .predicted_ttl(std::time::Duration::from_millis(cfg.predicted_ttl_ms))
+            .build()
+            .map_err(setting)?;
         let text = match &cfg.router_tokenizer_path {
             None => None,
             Some(p) => Some(tokenize::load(p).map_err(|e| ServerError::Setting {
@@ -141,7 +166,11 @@ impl Server {
         let client = Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(1024)
             .build(conn);
+        let tracks_prefill =
+            cfg.cost_model.0 != kvroute::CostModel::Seed || cfg.busy_threshold.is_some();
         Ok(Server {
+            started: std::time::Instant::now(),
+            tracks_prefill,
             cfg,
             mirror: Mutex::new(Mirror {
                 router,

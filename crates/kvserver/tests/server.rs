@@ -215,6 +215,56 @@ fn bad_flags_exit_2_naming_the_flag() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--block-size"));
+    for (args, flag) in [
+        (&["--busy-threshold", "decode=0.5"][..], "--busy-threshold"),
+        (
+            &["--busy-threshold", "decode=0,capacity=9"][..],
+            "--busy-threshold",
+        ),
+        (&["--busy-threshold", "load=3"][..], "--busy-threshold"),
+        (&["--router-temperature=-1"][..], "--router-temperature"),
+        (&["--cost-model", "fast"][..], "--cost-model"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvserver"))
+            .args(args)
+            .args(["--port", &free_port().to_string()])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(flag), "{args:?}: {err}");
+    }
+}
+
+/// With every option of the routing model on, requests route, stream and release their load
+/// (the prefill-aware cost's pending prefill moves to decode at the first streamed chunk).
+#[test]
+fn the_routing_model_options_route_and_release() {
+    let (a, b) = (Engine::start(), Engine::start());
+    let server = Kvserver::start(
+        &[&a, &b],
+        &[
+            "--cost-model",
+            "prefill-aware",
+            "--router-temperature",
+            "0.5",
+            "--busy-threshold",
+            "decode=0.9,capacity=4096,prefill-tokens=65536",
+            "--predicted-ttl-ms",
+            "2000",
+        ],
+    );
+    let prompt: Vec<u32> = (0..64).collect();
+    for stream in [false, true, true] {
+        let (status, body) = server.post("/v1/completions", &completion(&prompt, stream));
+        assert_eq!(status, 200, "{body}");
+    }
+    let routed: u64 = server.routed().iter().map(|(_, n)| n).sum();
+    assert_eq!(routed, 3);
+    let workers = server.get_json("/v1/admin/workers");
+    for w in workers["workers"].as_array().unwrap() {
+        assert_eq!(w["in_flight"], 0, "{w}");
+    }
 }
 
 #[test]

@@ -53,6 +53,44 @@ fn source_document_command_prints_the_report() {
     assert_eq!(out, again, "same flags, same bytes");
 }
 
+/// The routing model's options at their off values print exactly the default report; on, they
+/// change it, and the same flags give the same bytes.
+#[test]
+fn routing_model_options_off_are_byte_identical() {
+    let base = [
+        "--des-num-requests",
+        "120",
+        "--request-rate",
+        "20",
+        "--des-kv-blocks",
+        "3000",
+    ];
+    let with = |extra: &[&str]| {
+        let args: Vec<&str> = base.iter().chain(extra).copied().collect();
+        let (code, out, err) = kvsim(&args);
+        assert_eq!(code, 0, "{args:?}: {err}");
+        out
+    };
+    let plain = with(&[]);
+    for off in [
+        &["--cost-model", "seed"][..],
+        &["--router-temperature", "0"][..],
+        &["--predicted-ttl-ms", "0"][..],
+        &["--busy-threshold", "prefill-tokens=100000000"][..],
+    ] {
+        assert_eq!(with(off), plain, "{off:?}");
+    }
+    for on in [
+        &["--cost-model", "prefill-aware", "--des-overlap-weight", "4"][..],
+        &["--router-temperature", "2"][..],
+        &["--busy-threshold", "decode=0.05,prefill-tokens=2048"][..],
+    ] {
+        let out = with(on);
+        assert_ne!(out, plain, "{on:?} changed nothing");
+        assert_eq!(with(on), out, "{on:?}: same flags, same bytes");
+    }
+}
+
 #[test]
 fn defaults_run_and_json_parses() {
     let (code, out, _) = kvsim(&["--des-num-requests", "30", "--format", "json"]);
@@ -85,6 +123,11 @@ fn bad_flags_exit_2_with_one_line_naming_the_flag() {
         ),
         (&["--des-prefix-len", "9000"][..], "--des-prefix-len"),
         (&["--format", "xml"][..], "--format"),
+        (&["--cost-model", "fast"][..], "seed or prefill-aware"),
+        (&["--router-temperature", "-1"][..], "--router-temperature"),
+        (&["--busy-threshold", "decode=0.5"][..], "--des-kv-blocks"),
+        (&["--busy-threshold", "load=3"][..], "--busy-threshold"),
+        (&["--predicted-ttl-ms", "-5"][..], "--predicted-ttl-ms"),
         (&["--no-such-flag"][..], "--no-such-flag"),
     ] {
         let (code, out, err) = kvsim(args);
