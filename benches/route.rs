@@ -287,27 +287,47 @@ fn route_tokens(c: &mut Criterion) {
     group.finish();
 }
 
-/// `route + finish` with every option of the routing model on: the prefill-aware cost (each
-/// request's first token reported before it finishes), temperature sampling, a busy threshold
-/// that rarely bites, and predicted blocks that lapse after 50 requests (1 ms each on the clock).
+/// `route + finish` with each option of the routing model on, then all: the prefill-aware cost
+/// and a busy threshold that rarely bites (each request's first token reported with
+/// `prefill_done`, as they need), temperature sampling, predicted blocks that lapse after 50
+/// requests (1 ms each on the clock).
 fn route_model(c: &mut Criterion) {
-    let mut group = c.benchmark_group("route + prefill_done + finish, every option on");
+    let mut group = c.benchmark_group("route + finish, options on");
     group.throughput(Throughput::Elements(1));
+    let busy = BusyThreshold::new()
+        .decode_fraction(0.9, 4 * 128)
+        .prefill_tokens(1 << 16);
+    // Each option, and whether it needs each request's first token reported.
+    type With = fn(RouterBuilder, BusyThreshold) -> RouterBuilder;
+    let options: [(&str, With, bool); 5] = [
+        (
+            "prefill-aware",
+            |b, _| b.cost_model(CostModel::PrefillAware),
+            true,
+        ),
+        ("temperature 0.5", |b, _| b.temperature(0.5), false),
+        ("busy threshold", |b, t| b.busy_threshold(t), true),
+        (
+            "predicted 50 ms",
+            |b, _| b.predicted_ttl(Duration::from_millis(50)),
+            false,
+        ),
+        (
+            "all",
+            |b, t| {
+                b.cost_model(CostModel::PrefillAware)
+                    .temperature(0.5)
+                    .busy_threshold(t)
+                    .predicted_ttl(Duration::from_millis(50))
+            },
+            true,
+        ),
+    ];
     for &workers in &[64usize, 1_024] {
-        let builder = Router::builder()
-            .cost_model(CostModel::PrefillAware)
-            .temperature(0.5)
-            .busy_threshold(
-                BusyThreshold::new()
-                    .decode_fraction(0.9, 4 * 128)
-                    .prefill_tokens(1 << 16),
-            )
-            .predicted_ttl(Duration::from_millis(50));
-        let (mut router, queries) = fixture_with(workers, builder);
-        let mut request = 1u64 << 32;
-        group.bench_function(
-            BenchmarkId::new("128 blocks", format!("{workers} workers")),
-            |b| {
+        for (name, with, first_token) in options {
+            let (mut router, queries) = fixture_with(workers, with(Router::builder(), busy));
+            let mut request = 1u64 << 32;
+            group.bench_function(BenchmarkId::new(name, format!("{workers} workers")), |b| {
                 b.iter(|| {
                     let q = &queries[request as usize % QUERIES];
                     router.set_clock(Duration::from_millis(request - (1 << 32)));
@@ -315,13 +335,15 @@ fn route_model(c: &mut Criterion) {
                     let d = router
                         .route(id, black_box(&q.blocks), Role::Unified)
                         .expect("routable");
-                    router.prefill_done(id).expect("in flight");
+                    if first_token {
+                        router.prefill_done(id).expect("in flight");
+                    }
                     router.finish(id).expect("in flight");
                     request += 1;
                     black_box(d)
                 })
-            },
-        );
+            });
+        }
     }
     group.finish();
 }

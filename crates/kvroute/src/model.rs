@@ -167,19 +167,22 @@ impl BusyThreshold {
 /// Samples index `k` of `costs` with probability ∝ `exp(−(costs[k] − min) / (t × (max − min)))`,
 /// `u` uniform in [0, 1): at temperature 1 the worst candidate is `e` times less likely than the
 /// best. `None` when the spread is zero or not finite (the caller breaks the tie as at
-/// temperature 0).
-pub(crate) fn sample_softmax(costs: &[f64], t: f64, u: f64) -> Option<usize> {
+/// temperature 0). The costs are overwritten with their weights.
+pub(crate) fn sample_softmax(costs: &mut [f64], t: f64, u: f64) -> Option<usize> {
     let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
     let max = costs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     let scale = t * (max - min);
     if !(scale.is_finite() && scale > 0.0) {
         return None;
     }
-    let weight = |c: f64| (-(c - min) / scale).exp();
-    let total: f64 = costs.iter().map(|&c| weight(c)).sum();
+    let mut total = 0.0;
+    for c in costs.iter_mut() {
+        *c = (-(*c - min) / scale).exp();
+        total += *c;
+    }
     let mut left = u * total;
-    for (k, &c) in costs.iter().enumerate() {
-        left -= weight(c);
+    for (k, &w) in costs.iter().enumerate() {
+        left -= w;
         if left < 0.0 {
             return Some(k);
         }
@@ -196,14 +199,14 @@ mod tests {
     fn softmax_follows_its_formula() {
         // Costs 0 and 1 at t = 1: weights 1 and 1/e, so P(first) = e / (e + 1) = 0.7311.
         let p0 = std::f64::consts::E / (std::f64::consts::E + 1.0);
-        assert_eq!(sample_softmax(&[0.0, 1.0], 1.0, p0 - 1e-9), Some(0));
-        assert_eq!(sample_softmax(&[0.0, 1.0], 1.0, p0 + 1e-9), Some(1));
-        assert_eq!(sample_softmax(&[5.0, 5.0], 1.0, 0.5), None);
-        assert_eq!(sample_softmax(&[0.0, f64::INFINITY], 1.0, 0.5), None);
-        assert_eq!(sample_softmax(&[0.0, 1.0], 0.0, 0.5), None);
+        assert_eq!(sample_softmax(&mut [0.0, 1.0], 1.0, p0 - 1e-9), Some(0));
+        assert_eq!(sample_softmax(&mut [0.0, 1.0], 1.0, p0 + 1e-9), Some(1));
+        assert_eq!(sample_softmax(&mut [5.0, 5.0], 1.0, 0.5), None);
+        assert_eq!(sample_softmax(&mut [0.0, f64::INFINITY], 1.0, 0.5), None);
+        assert_eq!(sample_softmax(&mut [0.0, 1.0], 0.0, 0.5), None);
         // The scale is the spread: costs 10 and 20 sample like 0 and 1.
-        assert_eq!(sample_softmax(&[10.0, 20.0], 1.0, p0 + 1e-9), Some(1));
-        assert_eq!(sample_softmax(&[0.0, 1.0], 1.0, 1.0 - 1e-17), Some(1));
+        assert_eq!(sample_softmax(&mut [10.0, 20.0], 1.0, p0 + 1e-9), Some(1));
+        assert_eq!(sample_softmax(&mut [0.0, 1.0], 1.0, 1.0 - 1e-17), Some(1));
     }
 
     #[test]

@@ -425,8 +425,9 @@ impl Load {
         }
     }
 
-    /// The length of the leading run of `blocks` from `from` that is predicted (and not lapsed
-    /// at `now`) or held by the index.
+    /// Where the leading run of `blocks` ends when predicted blocks (not lapsed at `now`) count:
+    /// `from` is the end of the index's run, so the index does not hold `blocks[from]`; past a
+    /// predicted block, it may again.
     fn predicted_run(
         &self,
         index: &CacheIndex,
@@ -437,7 +438,7 @@ impl Load {
         let mut r = from;
         while r < blocks.len()
             && (self.predicted.get(&blocks[r]).is_some_and(|&t| t > now)
-                || index.holds(self.id, blocks[r]))
+                || (r > from && index.holds(self.id, blocks[r])))
         {
             r += 1;
         }
@@ -1272,12 +1273,8 @@ impl Router {
     /// Worker `i`'s cost with `hits`, under the cost model.
     #[inline]
     fn cost_of(&self, weight: f64, n: usize, hits: usize, i: usize) -> f64 {
-        match self.config.cost_model {
-            CostModel::Seed => cost(weight, n, hits, self.active[i]),
-            CostModel::PrefillAware => {
-                prefill_aware_cost(weight, n, hits, self.pending[i], self.decode[i])
-            }
-        }
+        let load = (self.active[i], self.pending[i], self.decode[i]);
+        score(self.config.cost_model, weight, n, hits, load)
     }
 
     /// Worker `i`'s cost for the request being routed.
@@ -1307,6 +1304,17 @@ impl Router {
     /// The `Kv` policy's choice: among the workers not busy (all, when every one is busy: then
     /// the least loaded), the lowest cost, or a sample at the router's temperature.
     fn choose_kv(&mut self, weight: f64, n: usize) -> usize {
+        if self.config.busy.is_none() && self.config.temperature == 0.0 {
+            // The common case, in one pass over the workers.
+            let (active, pending, decode) = (&self.active, &self.pending, &self.decode);
+            let (overlaps, model) = (&self.overlaps, self.config.cost_model);
+            let costs = self.members.iter().map(|&i| {
+                let load = (active[i], pending[i], decode[i]);
+                score(model, weight, n, overlaps.run_at(i), load)
+            });
+            let k = argmin(&mut self.rng, costs);
+            return self.members[k];
+        }
         let mut eligible = std::mem::take(&mut self.eligible);
         let mut costs = std::mem::take(&mut self.costs);
         eligible.clear();
@@ -1321,42 +1329,24 @@ impl Router {
         }
         let k = if all_busy {
             costs.extend(eligible.iter().map(|&i| self.load_term(i) as f64));
-            self.argmin(&costs)
+            argmin(&mut self.rng, costs.iter().copied())
         } else {
             costs.extend(eligible.iter().map(|&i| self.cost_at(weight, n, i)));
             let t = self.config.temperature;
-            let sampled = if t > 0.0 {
-                let u = (self.rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
-                sample_softmax(&costs, t, u)
+            let u = if t > 0.0 {
+                Some((self.rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64)
             } else {
                 None
             };
-            sampled.unwrap_or_else(|| self.argmin(&costs))
+            match u.and_then(|u| sample_softmax(&mut costs, t, u)) {
+                Some(k) => k,
+                // Not sampled: the costs are intact.
+                None => argmin(&mut self.rng, costs.iter().copied()),
+            }
         };
         let chosen = eligible[k];
         self.eligible = eligible;
         self.costs = costs;
-        chosen
-    }
-
-    /// The position of the lowest of `values`, ties broken uniformly with the seeded generator
-    /// (reservoir sampling: each tied position ends up chosen with probability 1/ties).
-    fn argmin(&mut self, values: &[f64]) -> usize {
-        let mut best = f64::INFINITY;
-        let mut chosen = 0;
-        let mut ties = 0u64;
-        for (k, &c) in values.iter().enumerate() {
-            if c < best {
-                best = c;
-                chosen = k;
-                ties = 1;
-            } else if c == best {
-                ties += 1;
-                if self.rng.next_u64() % ties == 0 {
-                    chosen = k;
-                }
-            }
-        }
         chosen
     }
 
@@ -1369,4 +1359,41 @@ impl Router {
     fn uniform(&mut self, n: usize) -> usize {
         ((u128::from(self.rng.next_u64()) * n as u128) >> 64) as usize
     }
+}
+
+/// A worker's cost under `model`, from its load (active, pending prefill, decode blocks).
+#[inline]
+fn score(
+    model: CostModel,
+    weight: f64,
+    n: usize,
+    hits: usize,
+    (active, pending, decode): (usize, usize, usize),
+) -> f64 {
+    match model {
+        CostModel::Seed => cost(weight, n, hits, active),
+        CostModel::PrefillAware => prefill_aware_cost(weight, n, hits, pending, decode),
+    }
+}
+
+/// The position of the lowest of `values`, ties broken uniformly with `rng` (reservoir
+/// sampling: each tied position ends up chosen with probability 1/ties).
+#[inline]
+fn argmin(rng: &mut Xoshiro256PlusPlus, values: impl IntoIterator<Item = f64>) -> usize {
+    let mut best = f64::INFINITY;
+    let mut chosen = 0;
+    let mut ties = 0u64;
+    for (k, c) in values.into_iter().enumerate() {
+        if c < best {
+            best = c;
+            chosen = k;
+            ties = 1;
+        } else if c == best {
+            ties += 1;
+            if rng.next_u64() % ties == 0 {
+                chosen = k;
+            }
+        }
+    }
+    chosen
 }
