@@ -138,6 +138,9 @@ struct Feed {
 #[derive(Debug, Clone, Default)]
 pub struct VllmIngest {
     feeds: Map<WorkerId, Feed>,
+    /// Data-parallel ranks given their own worker: (engine, rank) to worker, and back.
+    ranks: Map<(WorkerId, i64), WorkerId>,
+    rank_of: Map<WorkerId, (WorkerId, u32)>,
 }
 
 impl VllmIngest {
@@ -146,8 +149,65 @@ impl VllmIngest {
         Self::default()
     }
 
+    /// Gives data-parallel rank `rank` of engine `engine` its own worker: every batch of
+    /// `engine` tagged with that `data_parallel_rank` applies to `worker`'s mirror (with its own
+    /// sequence numbers, as each rank publishes its own stream), so the router scores each rank
+    /// as the separate cache it is and [`rank_of`](Self::rank_of) says where to send a request
+    /// routed to `worker`. Batches of a rank without a worker, and batches without a rank, apply
+    /// to `engine` itself. `engine` need not be registered with the router; `worker` must be.
+    /// Returns the worker the rank had before, if any.
+    ///
+    /// ```
+    /// use kvroute::vllm::{BlockStored, EngineEvent, EngineHash, EventBatch, VllmIngest};
+    /// use kvroute::{Router, WorkerId};
+    ///
+    /// let mut router = Router::builder().build()?;
+    /// let engine = WorkerId::new(7);
+    /// let (rank0, rank1) = (WorkerId::new(70), WorkerId::new(71));
+    /// router.add_worker(rank0);
+    /// router.add_worker(rank1);
+    /// let mut ingest = VllmIngest::new();
+    /// ingest.set_rank_worker(engine, 0, rank0);
+    /// ingest.set_rank_worker(engine, 1, rank1);
+    /// let stored = BlockStored::new(vec![EngineHash::Int(1)], None, (0..16).collect(), 16);
+    /// let mut batch = EventBatch::new(0.0, vec![EngineEvent::BlockStored(stored)]);
+    /// batch.data_parallel_rank = Some(1);
+    /// ingest.apply_batch(&mut router, engine, Some(0), &batch)?;
+    /// assert_eq!((router.cache_view(rank0), router.cache_view(rank1)), (0, 1));
+    /// assert_eq!(ingest.rank_of(rank1), Some((engine, 1)));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn set_rank_worker(
+        &mut self,
+        engine: WorkerId,
+        rank: u32,
+        worker: WorkerId,
+    ) -> Option<WorkerId> {
+        let before = self.ranks.insert((engine, i64::from(rank)), worker);
+        if let Some(b) = before {
+            self.rank_of.remove(&b);
+        }
+        self.rank_of.insert(worker, (engine, rank));
+        before
+    }
+
+    /// The engine and data-parallel rank that `worker` stands for (see
+    /// [`set_rank_worker`](Self::set_rank_worker)).
+    pub fn rank_of(&self, worker: WorkerId) -> Option<(WorkerId, u32)> {
+        self.rank_of.get(&worker).copied()
+    }
+
+    /// Where a batch of `engine` applies: its rank's worker, or the engine.
+    fn target(&self, engine: WorkerId, batch: &EventBatch) -> WorkerId {
+        batch
+            .data_parallel_rank
+            .and_then(|r| self.ranks.get(&(engine, r)).copied())
+            .unwrap_or(engine)
+    }
+
     /// Applies one ZMQ multipart message `(topic, sequence number, payload)` of `worker`'s
-    /// publisher. The topic is not interpreted.
+    /// publisher (a batch of a data-parallel rank with a worker of its own applies to that
+    /// worker: see [`set_rank_worker`](Self::set_rank_worker)). The topic is not interpreted.
     pub fn apply_multipart<F: AsRef<[u8]>>(
         &mut self,
         router: &mut Router,
@@ -186,6 +246,7 @@ impl VllmIngest {
         seq: Option<u64>,
         batch: &EventBatch,
     ) -> Result<IngestSummary, VllmError> {
+        let worker = self.target(worker, batch);
         let checked = validate(batch, router.block_size().get());
         self.counting_rejects(router, worker, checked)?;
         let feed = self.feeds.entry(worker).or_default();
@@ -278,7 +339,9 @@ impl VllmIngest {
         worker: WorkerId,
         r: Result<T, VllmError>,
     ) -> Result<T, VllmError> {
-        if router.index().worker_index(worker).is_none() {
+        // An engine whose ranks have workers of their own need not be registered itself.
+        let ranked = || self.ranks.keys().any(|&(e, _)| e == worker);
+        if router.index().worker_index(worker).is_none() && !ranked() {
             return Err(crate::Error::UnknownWorker { worker }.into());
         }
         if r.is_err() {
@@ -287,9 +350,12 @@ impl VllmIngest {
         r
     }
 
-    /// Forgets `worker`'s feed (hash map, expected sequence number, totals), for example after
-    /// removing it from the router. Returns whether it was known.
+    /// Forgets `worker`'s feed (hash map, expected sequence number, totals) and the rank it
+    /// stood for, for example after removing it from the router. Returns whether it had a feed.
     pub fn forget_worker(&mut self, worker: WorkerId) -> bool {
+        if let Some(key) = self.rank_of.remove(&worker) {
+            self.ranks.remove(&(key.0, i64::from(key.1)));
+        }
         self.feeds.remove(&worker).is_some()
     }
 

@@ -125,8 +125,12 @@
 //!   the last prompt token, so for a prompt that ends on a block boundary it reuses one block
 //!   less. The difference is the same on every worker and does not change a decision.
 //! - A router index snapshot holds the index's group only; the other groups refill from events.
-//! - `medium` and `data_parallel_rank` are decoded but not interpreted: give each data-parallel
-//!   rank (or each medium you track) its own [`WorkerId`].
+//! - `data_parallel_rank`: each rank of a data-parallel engine has its own cache and publishes
+//!   its own stream; give each rank its own [`WorkerId`] with
+//!   [`VllmIngest::set_rank_worker`] and its batches apply to that worker's mirror. Without
+//!   it, every rank's batches apply to the engine's worker, as if it were one cache.
+//! - `medium` is decoded but not interpreted: every stored block counts as resident on the
+//!   device.
 //! - The engine-to-ours map of a worker grows by the blocks stored and shrinks by the blocks
 //!   removed; removals lost in missed batches stay until the worker is cleared (by an
 //!   `AllBlocksCleared`, a publisher restart, or [`VllmIngest::forget_worker`]).
