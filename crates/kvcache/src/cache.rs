@@ -1,5 +1,6 @@
 //! One engine's block cache.
 
+use crate::tier::HostTier;
 use kvblock::BlockHash;
 
 use crate::hasher::Map;
@@ -102,6 +103,8 @@ pub struct BlockCache {
     events: Vec<KvEvent>,
     stats: CacheStats,
     scratch: Vec<u32>,
+    /// Where evicted blocks go, when the engine offloads to host memory.
+    host: Option<HostTier>,
 }
 
 impl BlockCache {
@@ -120,7 +123,64 @@ impl BlockCache {
             events: Vec::new(),
             stats: CacheStats::default(),
             scratch: Vec::new(),
+            host: None,
         }
+    }
+
+    /// Adds a host tier of `capacity` blocks: every block the device evicts is demoted to it
+    /// (as vLLM's CPU offloading keeps it), with its own LRU; its events are queued apart
+    /// ([`drain_host_events`](Self::drain_host_events)).
+    ///
+    /// ```
+    /// use kvcache::{BlockCache, KvEvent};
+    /// use kvblock::BlockHash;
+    /// let chain = |ids: &[u64]| ids.iter().copied().map(BlockHash::new).collect::<Vec<_>>();
+    /// let mut cache = BlockCache::new(Some(2)).with_host_tier(8);
+    /// cache.insert(&chain(&[1, 2]))?;
+    /// cache.insert(&chain(&[3, 4]))?; // evicts 2, then 1: both go to the host tier
+    /// assert_eq!((cache.match_len(&chain(&[1, 2])), cache.host_run(&chain(&[1, 2]), 0)), (0, 2));
+    /// assert_eq!(cache.drain_host_events().collect::<Vec<_>>(),
+    ///            [KvEvent::Stored { parent: None, blocks: chain(&[2, 1]) }]);
+    /// # Ok::<(), kvcache::Error>(())
+    /// ```
+    #[must_use]
+    pub fn with_host_tier(mut self, capacity: usize) -> Self {
+        self.host = Some(HostTier::new(capacity));
+        self
+    }
+
+    /// The host tier's capacity and how many blocks it holds (`None`: no host tier).
+    pub fn host_tier(&self) -> Option<(usize, usize)> {
+        self.host.as_ref().map(|h| (h.capacity(), h.len()))
+    }
+
+    /// How many of `chain[from..]` the host tier holds as a leading run (0 without one).
+    pub fn host_run(&self, chain: &[BlockHash], from: usize) -> usize {
+        self.host.as_ref().map_or(0, |h| h.run(chain, from))
+    }
+
+    /// [`host_run`](Self::host_run), making those blocks the host tier's most recent (a request
+    /// is loading them).
+    pub fn take_host_run(&mut self, chain: &[BlockHash], from: usize) -> usize {
+        self.host.as_mut().map_or(0, |h| h.take_run(chain, from))
+    }
+
+    /// Whether the host tier holds `block`.
+    pub fn host_contains(&self, block: BlockHash) -> bool {
+        self.host.as_ref().is_some_and(|h| h.contains(block))
+    }
+
+    /// The host tier's queued events, oldest first.
+    pub fn drain_host_events(&mut self) -> std::vec::Drain<'_, KvEvent> {
+        match &mut self.host {
+            Some(h) => h.events.drain(..),
+            None => self.events.drain(0..0),
+        }
+    }
+
+    /// How many host-tier events are queued.
+    pub fn pending_host_events(&self) -> usize {
+        self.host.as_ref().map_or(0, |h| h.events.len())
     }
 
     /// The capacity in blocks (`None`: unbounded).
@@ -584,6 +644,9 @@ impl BlockCache {
             self.map.remove(hash);
         }
         self.stats.evictions += removed.len() as u64;
+        if let Some(h) = &mut self.host {
+            h.demote(&removed);
+        }
         self.events.push(KvEvent::Removed { blocks: removed });
     }
 

@@ -46,6 +46,7 @@ mod cache;
 mod hasher;
 mod index;
 mod snapshot;
+mod tier;
 
 use std::fmt;
 
@@ -54,6 +55,7 @@ pub use hasher::FixedState;
 pub use index::{Applied, CacheIndex, Overlaps};
 pub use kvblock::BlockHash;
 pub use snapshot::{IndexSnapshot, WorkerSnapshot, SNAPSHOT_VERSION};
+pub use tier::Tier;
 
 /// A worker (engine replica) as the router names it.
 ///

@@ -73,8 +73,8 @@ use std::str::FromStr;
 pub use groups::{CacheGroup, GroupRule};
 pub use kvblock::{BlockHash, BlockSize};
 pub use kvblock::{ExtraKeys, MultimodalSpan};
-pub use kvcache::{KvEvent, WorkerId};
-pub use model::{prefill_aware_cost, BusyThreshold, CostModel};
+pub use kvcache::{KvEvent, Tier, WorkerId};
+pub use model::{prefill_aware_cost, BusyThreshold, CostModel, TierCredits};
 pub use replicas::{LoadChange, LoadDelta};
 pub use router::{Candidate, Decision, Router, RouterBuilder};
 

@@ -164,6 +164,76 @@ impl BusyThreshold {
     }
 }
 
+/// What a hit on a lower tier is worth against one on the device (see
+/// [`RouterBuilder::tier_credits`](crate::RouterBuilder::tier_credits)): a block the worker
+/// holds only in host memory or on disk saves its recompute but must be loaded back, so it
+/// counts as `credit` of a hit in the cost:
+/// `W × (request_blocks − device_hits − Σ credit(tier of each lower-tier hit)) + load`.
+///
+/// Defaults: host 0.75, disk 0.25. Loading a block of an 8B model (128 KiB per token) over a
+/// 25 GB/s host link takes about a quarter of recomputing it on an H100-class GPU (19.5 µs per
+/// token); a 5 GB/s disk takes longer than the recompute, but frees the GPU for others.
+///
+/// ```
+/// use kvroute::TierCredits;
+/// let c = TierCredits::default();
+/// assert_eq!((c.host(), c.disk()), (0.75, 0.25));
+/// let none = TierCredits::new(0.0, 0.0); // lower tiers ignored
+/// assert_eq!(none.host(), 0.0);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TierCredits {
+    host: f64,
+    disk: f64,
+}
+
+impl Default for TierCredits {
+    fn default() -> Self {
+        TierCredits {
+            host: 0.75,
+            disk: 0.25,
+        }
+    }
+}
+
+impl TierCredits {
+    /// A host hit counts `host` of a device hit, a disk hit `disk` (each in 0..=1).
+    pub fn new(host: f64, disk: f64) -> Self {
+        TierCredits { host, disk }
+    }
+
+    /// The host tier's credit.
+    pub fn host(&self) -> f64 {
+        self.host
+    }
+
+    /// The disk tier's credit.
+    pub fn disk(&self) -> f64 {
+        self.disk
+    }
+
+    /// The credit of `tier` (the device's is 1).
+    pub fn of(&self, tier: kvcache::Tier) -> f64 {
+        match tier {
+            kvcache::Tier::Host => self.host,
+            kvcache::Tier::Disk => self.disk,
+            _ => 1.0,
+        }
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), Error> {
+        for (name, v) in [
+            ("host tier credit", self.host),
+            ("disk tier credit", self.disk),
+        ] {
+            if !(v.is_finite() && (0.0..=1.0).contains(&v)) {
+                return Err(Error::InvalidWeight { name, value: v });
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Samples index `k` of `costs` with probability ∝ `exp(−(costs[k] − min) / (t × (max − min)))`,
 /// `u` uniform in [0, 1): at temperature 1 the worst candidate is `e` times less likely than the
 /// best. `None` when the spread is zero or not finite (the caller breaks the tie as at

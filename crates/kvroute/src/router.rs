@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use hashbrown::hash_map::Entry;
 use kvblock::{BlockHash, BlockHasher, BlockSize, ExtraKeys};
-use kvcache::{Applied, CacheIndex, FixedState, IndexSnapshot, KvEvent, Overlaps, WorkerId};
+use kvcache::{Applied, CacheIndex, FixedState, IndexSnapshot, KvEvent, Overlaps, Tier, WorkerId};
 use rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 
@@ -14,7 +14,7 @@ use crate::model::sample_softmax;
 use crate::ring::Ring;
 use crate::{
     cost, prefill_aware_cost, BusyThreshold, CacheGroup, CostModel, Error, LoadChange, LoadDelta,
-    Policy, RequestId, Role, Salt,
+    Policy, RequestId, Role, Salt, TierCredits,
 };
 
 type Map<K, V> = hashbrown::HashMap<K, V, FixedState>;
@@ -32,6 +32,9 @@ pub struct Decision {
     pub cost: f64,
     /// The request's full blocks.
     pub request_blocks: usize,
+    /// Blocks after `cache_hits` the worker holds on a lower tier (host memory, disk), credited
+    /// by [`TierCredits`].
+    pub lower_tier_hits: usize,
 }
 
 /// One worker's score for a request, as [`Router::explain`] reports it.
@@ -50,6 +53,8 @@ pub struct Candidate {
     pub decode_blocks: usize,
     /// Whether the busy threshold counts it busy.
     pub busy: bool,
+    /// Blocks after `cache_hits` it holds on a lower tier.
+    pub lower_tier_hits: usize,
     /// Its cost with the role's weight, under the router's cost model.
     pub cost: f64,
 }
@@ -76,6 +81,7 @@ pub struct RouterBuilder {
     temperature: f64,
     busy: Option<BusyThreshold>,
     predicted_ttl: Duration,
+    tier_credits: TierCredits,
 }
 
 impl Default for RouterBuilder {
@@ -95,6 +101,7 @@ impl Default for RouterBuilder {
             temperature: 0.0,
             busy: None,
             predicted_ttl: Duration::ZERO,
+            tier_credits: TierCredits::default(),
         }
     }
 }
@@ -230,6 +237,30 @@ impl RouterBuilder {
         self
     }
 
+    /// What a hit on a lower tier (host memory, disk) is worth against a device hit, for workers
+    /// whose lower tiers the router mirrors ([`Router::apply_tier_event`]). Default
+    /// [`TierCredits::default`].
+    ///
+    /// ```
+    /// use kvroute::{BlockHash, KvEvent, RequestId, Role, Router, Tier, TierCredits, WorkerId};
+    /// let blocks: Vec<BlockHash> = (1..=8).map(BlockHash::new).collect();
+    /// let mut router = Router::builder().tier_credits(TierCredits::new(0.5, 0.0)).build()?;
+    /// let (w0, w1) = (WorkerId::new(0), WorkerId::new(1));
+    /// router.add_worker(w0);
+    /// router.add_worker(w1);
+    /// // W0 holds the first 2 blocks on the GPU and the next 6 in host memory.
+    /// router.apply_event(w0, 0, &KvEvent::Stored { parent: None, blocks: blocks[..2].to_vec() })?;
+    /// router.apply_tier_event(w0, Tier::Host, 0, &KvEvent::Stored { parent: None, blocks: blocks[2..].to_vec() })?;
+    /// let d = router.route(RequestId::new(1), &blocks, Role::Unified)?;
+    /// // Cost 8 - 2 - 0.5 x 6 = 3 against 8 on W1.
+    /// assert_eq!((d.worker, d.cache_hits, d.lower_tier_hits, d.cost), (w0, 2, 6, 3.0));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn tier_credits(mut self, credits: TierCredits) -> Self {
+        self.tier_credits = credits;
+        self
+    }
+
     /// Validates the settings and builds the router.
     pub fn build(self) -> Result<Router, Error> {
         let check = |name, w: f64| {
@@ -247,6 +278,7 @@ impl RouterBuilder {
             check("decode overlap weight", w)?;
         }
         check("temperature", self.temperature)?;
+        self.tier_credits.validate()?;
         if let Some(b) = &self.busy {
             b.validate()?;
         }
@@ -292,6 +324,9 @@ impl RouterBuilder {
             expiry: VecDeque::new(),
             costs: Vec::new(),
             eligible: Vec::new(),
+            lower: Vec::new(),
+            lower_hits: Vec::new(),
+            lower_credit: Vec::new(),
         })
     }
 }
@@ -384,6 +419,12 @@ pub struct Router {
     /// Scratch of the temperature sampling: candidates' costs and dense indices.
     costs: Vec<f64>,
     eligible: Vec<usize>,
+    /// Mirrors of the workers' lower tiers (host, disk), in tier order; empty for most fleets.
+    lower: Vec<(Tier, CacheIndex)>,
+    /// For the request being routed, by dense index: lower-tier hits after the device run, and
+    /// their credit.
+    lower_hits: Vec<usize>,
+    lower_credit: Vec<f64>,
 }
 
 /// Another replica's request in flight on one of our workers.
@@ -516,6 +557,9 @@ impl Router {
             return false;
         };
         self.index.remove_worker(worker);
+        for (_, ix) in &mut self.lower {
+            ix.remove_worker(worker);
+        }
         self.groups.clear_worker(worker, Some(i));
         self.slots[i] = None;
         self.active[i] = 0;
@@ -694,6 +738,9 @@ impl Router {
         if let Some(load) = i.and_then(|i| self.slots.get_mut(i)?.as_mut()) {
             load.predicted.clear();
         }
+        for (_, ix) in &mut self.lower {
+            ix.clear_worker(worker);
+        }
         self.index.clear_worker(worker) + self.groups.clear_worker(worker, i)
     }
 
@@ -724,8 +771,10 @@ impl Router {
         }
         let listed = index.workers();
         self.index = index;
-        // A snapshot holds the index's groups only; the others refill from events.
+        // A snapshot holds the index's groups only; the others refill from events, and so do
+        // the lower tiers.
         self.groups = Groups::default();
+        self.lower.clear();
         self.slots.clear();
         self.active.clear();
         self.pending.clear();
@@ -786,6 +835,9 @@ impl Router {
             self.groups
                 .cut(&self.index, blocks, cap, &mut self.overlaps);
         }
+        if !self.lower.is_empty() {
+            self.credit_lower_tiers(blocks);
+        }
         let chosen = match self.config.policy {
             Policy::Kv => self.choose_kv(weight, n),
             Policy::PrefixAware => match Ring::key(blocks, self.config.prefix_blocks) {
@@ -805,6 +857,11 @@ impl Router {
         };
         let hits = self.overlaps.run_at(chosen);
         let cost = self.cost_at(weight, n, chosen);
+        let lower_tier_hits = if self.lower.is_empty() {
+            0
+        } else {
+            self.lower_hits[chosen]
+        };
         let uncached = n.saturating_sub(hits);
         let ttl = self.config.predicted_ttl;
         let (worker, generation) = {
@@ -846,7 +903,78 @@ impl Router {
             cache_hits: hits,
             cost,
             request_blocks: n,
+            lower_tier_hits,
         })
+    }
+
+    /// Every worker's lower-tier hits after its device run, and their credit.
+    fn credit_lower_tiers(&mut self, blocks: &[BlockHash]) {
+        let bound = self.slots.len();
+        self.lower_hits.clear();
+        self.lower_hits.resize(bound, 0);
+        self.lower_credit.clear();
+        self.lower_credit.resize(bound, 0.0);
+        for &i in &self.members {
+            let Some(load) = self.slots[i].as_ref() else {
+                continue;
+            };
+            let (h, c) = self.lower_run(load.id, blocks, self.overlaps.run_at(i));
+            self.lower_hits[i] = h;
+            self.lower_credit[i] = c;
+        }
+    }
+
+    /// The run of `blocks[from..]` that `worker` holds on lower tiers, each block credited by the
+    /// highest tier holding it (so a block never counts twice), and the credits' sum.
+    fn lower_run(&self, worker: WorkerId, blocks: &[BlockHash], from: usize) -> (usize, f64) {
+        let mut credit = 0.0;
+        let mut r = from;
+        while let Some(&b) = blocks.get(r) {
+            let Some((tier, _)) = self.lower.iter().find(|(_, ix)| ix.holds(worker, b)) else {
+                break;
+            };
+            credit += self.config.tier_credits.of(*tier);
+            r += 1;
+        }
+        (r - from, credit)
+    }
+
+    /// Applies one KV event of a registered worker's `tier` (host memory, disk: an engine that
+    /// offloads; vLLM's `medium`) to the router's mirror of that tier; [`Tier::Device`] is
+    /// [`apply_event`](Self::apply_event). A lower tier's mirror is a set: a block it holds
+    /// counts, credited by [`TierCredits`], where the device's run ends.
+    pub fn apply_tier_event(
+        &mut self,
+        worker: WorkerId,
+        tier: Tier,
+        event_id: u64,
+        event: &KvEvent,
+    ) -> Result<Applied, Error> {
+        if tier == Tier::Device {
+            return self.apply_event(worker, event_id, event);
+        }
+        if self.member_index(worker).is_none() {
+            return Err(Error::UnknownWorker { worker });
+        }
+        let at = match self.lower.binary_search_by_key(&tier, |(t, _)| *t) {
+            Ok(at) => at,
+            Err(at) => {
+                self.lower.insert(at, (tier, CacheIndex::new()));
+                at
+            }
+        };
+        Ok(self.lower[at].1.apply(worker, event_id, event)?)
+    }
+
+    /// How many blocks the router believes `worker` holds on `tier`.
+    pub fn tier_view(&self, worker: WorkerId, tier: Tier) -> usize {
+        if tier == Tier::Device {
+            return self.cache_view(worker);
+        }
+        self.lower
+            .iter()
+            .find(|(t, _)| *t == tier)
+            .map_or(0, |(_, ix)| ix.block_count(worker))
     }
 
     /// Extends every worker's leading run over its predicted blocks.
@@ -1257,6 +1385,7 @@ impl Router {
             .filter_map(|&i| {
                 let load = self.load(i)?;
                 let hits = ov.run_at(i);
+                let (lower, credit) = self.lower_run(load.id, blocks, hits);
                 Some(Candidate {
                     worker: load.id,
                     cache_hits: hits,
@@ -1264,7 +1393,8 @@ impl Router {
                     pending_prefill_blocks: load.pending,
                     decode_blocks: load.decode.len(),
                     busy: self.is_busy(i),
-                    cost: self.cost_of(weight, n, hits, i),
+                    lower_tier_hits: lower,
+                    cost: self.cost_of(weight, n, hits, i) - weight * credit,
                 })
             })
             .collect()
@@ -1280,7 +1410,12 @@ impl Router {
     /// Worker `i`'s cost for the request being routed.
     #[inline]
     fn cost_at(&self, weight: f64, n: usize, i: usize) -> f64 {
-        self.cost_of(weight, n, self.overlaps.run_at(i), i)
+        let c = self.cost_of(weight, n, self.overlaps.run_at(i), i);
+        if self.lower.is_empty() {
+            c
+        } else {
+            c - weight * self.lower_credit[i]
+        }
     }
 
     #[inline]
@@ -1304,7 +1439,7 @@ impl Router {
     /// The `Kv` policy's choice: among the workers not busy (all, when every one is busy: then
     /// the least loaded), the lowest cost, or a sample at the router's temperature.
     fn choose_kv(&mut self, weight: f64, n: usize) -> usize {
-        if self.config.busy.is_none() && self.config.temperature == 0.0 {
+        if self.config.busy.is_none() && self.config.temperature == 0.0 && self.lower.is_empty() {
             // The common case, in one pass over the workers.
             let (active, pending, decode) = (&self.active, &self.pending, &self.decode);
             let (overlaps, model) = (&self.overlaps, self.config.cost_model);

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use hashbrown::hash_map::Entry;
 use kvblock::{BlockHash, BlockHasher, BlockSize, ExtraKeys};
-use kvcache::{FixedState, KvEvent, WorkerId};
+use kvcache::{FixedState, KvEvent, Tier, WorkerId};
 
 use super::wire::to_extra_keys;
 use super::{
@@ -50,6 +50,10 @@ pub struct IngestSummary {
     /// `BlockStored` events whose `kv_cache_spec_kind` the router does not know (or a sliding
     /// window without its size): treated as full attention.
     pub unknown_group_kinds: usize,
+    /// Blocks newly recorded on a lower tier (a `medium` other than the GPU: CPU offloading).
+    pub lower_tier_stored: usize,
+    /// Blocks removed from a lower tier.
+    pub lower_tier_removed: usize,
 }
 
 /// Running totals of one worker's vLLM feed, since [`VllmIngest`] first saw it.
@@ -123,6 +127,10 @@ struct Feed {
     groups: BTreeMap<GroupKey, Target>,
     /// The group the router's index mirrors, once seen.
     primary: Option<GroupKey>,
+    /// (tier, engine hash) -> our hash, for the blocks the worker holds on a lower tier.
+    lower: Map<(Tier, EngineHash), BlockHash>,
+    /// The next router event id of each lower tier's mirror.
+    lower_ids: BTreeMap<Tier, u64>,
     /// The next batch sequence number expected.
     next_seq: u64,
     /// Skip one router event id at the next apply, so the index records a gap (stale view).
@@ -274,6 +282,7 @@ impl VllmIngest {
             out.blocks_cleared += router.clear_worker(worker);
             feed.blocks.clear();
             feed.refs.clear();
+            feed.lower.clear();
             // A restarted engine may serve another model: its groups are learned again.
             feed.groups.clear();
             feed.primary = None;
@@ -283,6 +292,55 @@ impl VllmIngest {
         let bs = router.block_size();
         for event in &batch.events {
             match event {
+                EngineEvent::BlockStored(st)
+                    if Tier::from_medium(st.medium.as_deref()) != Tier::Device =>
+                {
+                    let tier = Tier::from_medium(st.medium.as_deref());
+                    let mut blocks = Vec::with_capacity(st.block_hashes.len());
+                    let primary = feed.primary.unwrap_or(None);
+                    for h in &st.block_hashes {
+                        // An offloaded block carries no tokens: it is a block the device held.
+                        match feed.blocks.get(&(primary, h.clone())) {
+                            Some(&ours) => {
+                                feed.lower.insert((tier, h.clone()), ours);
+                                blocks.push(ours);
+                            }
+                            None => out.untracked_blocks += 1,
+                        }
+                    }
+                    if !blocks.is_empty() {
+                        let a = apply_lower(
+                            router,
+                            worker,
+                            feed,
+                            tier,
+                            KvEvent::Stored {
+                                parent: None,
+                                blocks,
+                            },
+                        )?;
+                        out.events_applied += 1;
+                        out.lower_tier_stored += a.stored;
+                    }
+                }
+                EngineEvent::BlockRemoved(r)
+                    if Tier::from_medium(r.medium.as_deref()) != Tier::Device =>
+                {
+                    let tier = Tier::from_medium(r.medium.as_deref());
+                    let mut blocks = Vec::with_capacity(r.block_hashes.len());
+                    for h in &r.block_hashes {
+                        match feed.lower.remove(&(tier, h.clone())) {
+                            Some(ours) => blocks.push(ours),
+                            None => out.unknown_removals += 1,
+                        }
+                    }
+                    if !blocks.is_empty() {
+                        let a =
+                            apply_lower(router, worker, feed, tier, KvEvent::Removed { blocks })?;
+                        out.events_applied += 1;
+                        out.lower_tier_removed += a.removed;
+                    }
+                }
                 EngineEvent::BlockStored(st) => {
                     let target = feed.target_of(st, bs, &mut out);
                     store(router, worker, feed, st, target, &mut out)?;
@@ -626,11 +684,29 @@ fn apply(
 }
 
 /// Checks what can be checked without state: block sizes and token counts.
+/// Applies an event to the worker's mirror of a lower tier, with that tier's next event id.
+fn apply_lower(
+    router: &mut Router,
+    worker: WorkerId,
+    feed: &mut Feed,
+    tier: Tier,
+    event: KvEvent,
+) -> Result<kvcache::Applied, VllmError> {
+    let id = feed.lower_ids.entry(tier).or_insert(0);
+    let a = router.apply_tier_event(worker, tier, *id, &event)?;
+    *id += 1;
+    Ok(a)
+}
+
 fn validate(batch: &EventBatch, router_block_size: usize) -> Result<(), VllmError> {
     for (i, e) in batch.events.iter().enumerate() {
         let EngineEvent::BlockStored(s) = e else {
             continue;
         };
+        // An offloaded block names a block the device held; it carries no tokens.
+        if Tier::from_medium(s.medium.as_deref()) != Tier::Device {
+            continue;
+        }
         // The group the router hashes with must be at its block size; other groups may differ.
         let hashed_with = s.group_idx.unwrap_or(0) == 0 && rule_of(s).0 == GroupRule::FullAttention;
         if hashed_with && usize::try_from(s.block_size).ok() != Some(router_block_size) {

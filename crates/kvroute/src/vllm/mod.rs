@@ -129,8 +129,12 @@
 //!   its own stream; give each rank its own [`WorkerId`] with
 //!   [`VllmIngest::set_rank_worker`] and its batches apply to that worker's mirror. Without
 //!   it, every rank's batches apply to the engine's worker, as if it were one cache.
-//! - `medium` is decoded but not interpreted: every stored block counts as resident on the
-//!   device.
+//! - `medium`: a `BlockStored` or `BlockRemoved` of another medium than the GPU (`CPU`, `DISK`:
+//!   vLLM's offloading connector) applies to the router's mirror of that [`Tier`]
+//!   ([`Router::apply_tier_event`]), credited by [`TierCredits`] where the device's run ends.
+//!   Such a block carries no tokens: it is mapped through the device's engine-to-ours map, so
+//!   one offloaded after the device removed it is counted in
+//!   [`IngestSummary::untracked_blocks`].
 //! - The engine-to-ours map of a worker grows by the blocks stored and shrinks by the blocks
 //!   removed; removals lost in missed batches stay until the worker is cleared (by an
 //!   `AllBlocksCleared`, a publisher restart, or [`VllmIngest::forget_worker`]).
@@ -141,6 +145,9 @@
 //! [`KvEvent`]: kvcache::KvEvent
 //! [`BlockHasher`]: kvblock::BlockHasher
 //! [`WorkerId`]: kvcache::WorkerId
+//! [`Tier`]: kvcache::Tier
+//! [`TierCredits`]: crate::TierCredits
+//! [`Router::apply_tier_event`]: crate::Router::apply_tier_event
 
 // The module by idea: `error` (what can go wrong), `wire` (the engine's types and how each field
 // is encoded), `decode` (network bytes into those types), `ingest` (applying them to a Router).
