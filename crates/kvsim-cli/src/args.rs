@@ -128,6 +128,14 @@ pub(crate) struct RunArgs {
     /// Engine replicas behind the router.
     #[arg(long, value_name = "N", help_heading = "Fleet")]
     des_instances: Option<usize>,
+    /// Host-memory KV blocks per engine: device evictions are demoted there and loaded back
+    /// instead of recomputed (unset: no host tier).
+    #[arg(long, value_name = "BLOCKS", help_heading = "Fleet")]
+    host_kv_blocks: Option<usize>,
+    /// Host-to-device bandwidth for loading host-tier blocks, gigabytes per second (each block
+    /// is --kv-bytes-per-token x block size bytes).
+    #[arg(long, value_name = "GBPS", help_heading = "Fleet")]
+    host_load_gbps: Option<f64>,
     /// KV blocks per engine (cache plus running requests); unset means unbounded.
     #[arg(long, value_name = "BLOCKS", help_heading = "Fleet")]
     des_kv_blocks: Option<usize>,
@@ -198,6 +206,10 @@ pub(crate) struct RunArgs {
     /// engine's events confirm them (0 = off), milliseconds.
     #[arg(long, value_name = "MS", help_heading = "Routing")]
     predicted_ttl_ms: Option<f64>,
+    /// kv policy: what a host-tier hit counts against a device hit, 0 to 1 (0: the router
+    /// ignores the host tier).
+    #[arg(long, value_name = "C", help_heading = "Routing")]
+    host_hit_credit: Option<f64>,
 
     /// Disaggregated serving: prefill engines (with --des-decode-instances, instead of --des-instances).
     #[arg(long, value_name = "P", help_heading = "Disaggregated prefill/decode")]
@@ -286,6 +298,9 @@ pub(crate) const FLAGS: &[(&str, &str)] = &[
     ("busy_decode_fraction", "--busy-threshold"),
     ("busy_prefill_tokens", "--busy-threshold"),
     ("predicted_ttl_us", "--predicted-ttl-ms"),
+    ("host_kv_blocks", "--host-kv-blocks"),
+    ("host_load_gbps", "--host-load-gbps"),
+    ("host_hit_credit", "--host-hit-credit"),
     ("trace_speedup", "--trace-speedup"),
     ("trace_timing", "--trace-timing"),
 ];
@@ -380,6 +395,8 @@ fn defaults() -> Vec<(&'static str, String)> {
         ("des_routers", d.routers.to_string()),
         ("cost_model", d.cost_model.to_string()),
         ("router_temperature", d.router_temperature.to_string()),
+        ("host_load_gbps", d.host_load_gbps.to_string()),
+        ("host_hit_credit", d.host_hit_credit.to_string()),
         (
             "predicted_ttl_ms",
             (d.predicted_ttl_us as f64 / 1000.0).to_string(),
@@ -554,6 +571,11 @@ impl RunArgs {
         set(&mut cfg.routers, &self.des_routers);
         set(&mut cfg.cost_model, &self.cost_model);
         set(&mut cfg.router_temperature, &self.router_temperature);
+        set(&mut cfg.host_load_gbps, &self.host_load_gbps);
+        set(&mut cfg.host_hit_credit, &self.host_hit_credit);
+        if self.host_kv_blocks.is_some() {
+            cfg.host_kv_blocks = self.host_kv_blocks;
+        }
         if let Some(b) = self.busy_threshold {
             cfg.busy_decode_fraction = b.decode;
             cfg.busy_prefill_tokens = b.prefill_tokens;

@@ -77,6 +77,7 @@ fn routing_model_options_off_are_byte_identical() {
         &["--router-temperature", "0"][..],
         &["--predicted-ttl-ms", "0"][..],
         &["--busy-threshold", "prefill-tokens=100000000"][..],
+        &["--host-hit-credit", "0.75", "--host-load-gbps", "25"][..],
     ] {
         assert_eq!(with(off), plain, "{off:?}");
     }
@@ -84,6 +85,7 @@ fn routing_model_options_off_are_byte_identical() {
         &["--cost-model", "prefill-aware", "--des-overlap-weight", "4"][..],
         &["--router-temperature", "2"][..],
         &["--busy-threshold", "decode=0.05,prefill-tokens=2048"][..],
+        &["--host-kv-blocks", "4000", "--des-kv-blocks", "300"][..],
     ] {
         let out = with(on);
         assert_ne!(out, plain, "{on:?} changed nothing");
@@ -128,6 +130,8 @@ fn bad_flags_exit_2_with_one_line_naming_the_flag() {
         (&["--busy-threshold", "decode=0.5"][..], "--des-kv-blocks"),
         (&["--busy-threshold", "load=3"][..], "--busy-threshold"),
         (&["--predicted-ttl-ms", "-5"][..], "--predicted-ttl-ms"),
+        (&["--host-hit-credit", "2"][..], "--host-hit-credit"),
+        (&["--host-load-gbps", "0"][..], "--host-load-gbps"),
         (&["--no-such-flag"][..], "--no-such-flag"),
     ] {
         let (code, out, err) = kvsim(args);

@@ -220,6 +220,16 @@ pub struct SimConfig {
     /// How long a routed request's blocks count as hits on its engine before the engine's
     /// events confirm them, microseconds; 0 is off (`--predicted-ttl-ms` × 1000).
     pub predicted_ttl_us: u64,
+    /// Blocks of each engine's host tier, which the device's evictions are demoted to and
+    /// requests load back from instead of recomputing (`--host-kv-blocks`; `None`: no host
+    /// tier).
+    pub host_kv_blocks: Option<usize>,
+    /// Host-to-device bandwidth for loading host-tier blocks, gigabytes per second
+    /// (`--host-load-gbps`); with `kv_bytes_per_token` it gives each block's load time.
+    pub host_load_gbps: f64,
+    /// What the routers credit a host-tier hit against a device hit, 0 to 1
+    /// (`--host-hit-credit`; 0: the routers ignore the host tier).
+    pub host_hit_credit: f64,
     /// Replay this trace instead of the synthetic prefix pool (`--trace`): its first
     /// `num_requests` requests. See [`SimConfig::with_trace`].
     pub trace: Option<Arc<Trace>>,
@@ -265,6 +275,9 @@ impl Default for SimConfig {
             busy_decode_fraction: None,
             busy_prefill_tokens: None,
             predicted_ttl_us: 0,
+            host_kv_blocks: None,
+            host_load_gbps: 25.0,
+            host_hit_credit: 0.75,
             trace: None,
             trace_speedup: 1.0,
             trace_timing: TraceTiming::Keep,
@@ -310,6 +323,12 @@ impl SimConfig {
     /// only the prefill-aware cost and the busy threshold look at it.
     pub(crate) fn tracks_prefill(&self) -> bool {
         self.cost_model != CostModel::Seed || self.busy_threshold().is_some()
+    }
+
+    /// Nanoseconds to load one block from the host tier: its bytes over `host_load_gbps`.
+    pub(crate) fn host_load_ns_per_block(&self) -> u64 {
+        let bytes = self.block_size.get() as f64 * self.kv_bytes_per_token as f64;
+        (bytes / self.host_load_gbps).round() as u64
     }
 
     /// Whether prefill and decode run on separate pools.
@@ -466,6 +485,14 @@ impl SimConfig {
             0.0,
             1e6,
             "a number from 0 to 1000000",
+        )?;
+        positive("host_load_gbps", self.host_load_gbps)?;
+        within(
+            "host_hit_credit",
+            self.host_hit_credit,
+            0.0,
+            1.0,
+            "a number from 0 to 1",
         )?;
         if let Some(f) = self.busy_decode_fraction {
             positive("busy_decode_fraction", f)?;

@@ -59,6 +59,11 @@ pub struct EngineConfig {
     pub max_batched_tokens: usize,
     /// Running requests at most.
     pub max_num_seqs: usize,
+    /// Blocks of a host tier that the device's evictions are demoted to (`None`: none).
+    pub host_kv_blocks: Option<usize>,
+    /// Nanoseconds to load one block from the host tier back to the device; the load stalls
+    /// the step that starts after the admission.
+    pub host_load_ns_per_block: u64,
 }
 
 impl EngineConfig {
@@ -71,6 +76,8 @@ impl EngineConfig {
             kv_blocks: None,
             max_batched_tokens: 8192,
             max_num_seqs: 256,
+            host_kv_blocks: None,
+            host_load_ns_per_block: 0,
         }
     }
 }
@@ -127,6 +134,14 @@ pub enum Outcome {
         id: u64,
         /// Its prompt's blocks, handed back for the decode side.
         blocks: Vec<BlockHash>,
+    },
+    /// At admission, the blocks after its resident run that the host tier held: loaded back
+    /// instead of recomputed (only with a host tier).
+    HostLoaded {
+        /// The request.
+        id: u64,
+        /// How many blocks.
+        blocks: usize,
     },
     /// Its last token was produced; it has left the engine.
     Finished {
@@ -239,6 +254,8 @@ pub struct Engine {
     ahead: Vec<u64>,
     ahead_pos: usize,
     ahead_first: u64,
+    /// Nanoseconds of host-tier loads the next step waits for.
+    load_ns: u64,
 }
 
 impl std::fmt::Debug for Engine {
@@ -265,7 +282,11 @@ impl Engine {
             cfg,
             timing,
             // The capacity follows what running requests hold privately, once they exist.
-            cache: BlockCache::new(None),
+            cache: match cfg.host_kv_blocks {
+                Some(h) if cfg.pool != Pool::Decode => BlockCache::new(None).with_host_tier(h),
+                _ => BlockCache::new(None),
+            },
+            load_ns: 0,
             private: 0,
             slots: Vec::new(),
             free: Vec::new(),
@@ -418,7 +439,9 @@ impl Engine {
         }
         self.step_decode = self.decoding;
         let shape = StepShape::new(prefill_tokens as u64, self.decoding as u64, self.context);
-        let duration_us = self.timing.step_us(&shape).max(1);
+        // Host-tier loads of the requests just admitted stall this step.
+        let load_us = std::mem::take(&mut self.load_ns).div_ceil(1000);
+        let duration_us = self.timing.step_us(&shape).max(1).saturating_add(load_us);
         self.busy = true;
         self.busy_us += duration_us;
         self.last_duration = duration_us;
@@ -587,6 +610,16 @@ impl Engine {
         self.cache.pending_events()
     }
 
+    /// The host tier's KV events queued since the last drain, in order.
+    pub fn drain_host_events(&mut self) -> std::vec::Drain<'_, KvEvent> {
+        self.cache.drain_host_events()
+    }
+
+    /// The host tier's KV events queued and not yet drained.
+    pub fn pending_host_events(&self) -> usize {
+        self.cache.pending_host_events()
+    }
+
     /// Checks the internal invariants (for property tests): the cache's own, and that every
     /// pinned or reserved block belongs to a running request.
     #[doc(hidden)]
@@ -651,8 +684,17 @@ impl Engine {
             self.start_decoding(s);
             return true;
         }
+        // Blocks after the resident run that the host tier holds are loaded, not recomputed.
+        let loaded = self.cache.take_host_run(&r.blocks, hits);
+        if loaded > 0 {
+            self.load_ns = self
+                .load_ns
+                .saturating_add((loaded as u64).saturating_mul(self.cfg.host_load_ns_per_block));
+            self.outcomes
+                .push(Outcome::HostLoaded { id, blocks: loaded });
+        }
         // A full hit still computes the last prompt token, to produce the first output token.
-        let cached_tokens = (hits * bs).min(r.input.saturating_sub(1));
+        let cached_tokens = ((hits + loaded) * bs).min(r.input.saturating_sub(1));
         r.prefill_left = r.input - cached_tokens;
         self.prefilling.push_back(s);
         true

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use kvblock::BlockHash;
-use kvcache::{KvEvent, WorkerId};
+use kvcache::{KvEvent, Tier, WorkerId};
 use kvroute::{RequestId, Role, Router};
 
 use crate::config::SimConfig;
@@ -42,6 +42,7 @@ impl Routers {
                     b = b.busy_threshold(t);
                 }
                 let mut router = b
+                    .tier_credits(kvroute::TierCredits::new(cfg.host_hit_credit, 0.0))
                     .cost_model(cfg.cost_model)
                     .temperature(cfg.router_temperature)
                     .predicted_ttl(std::time::Duration::from_micros(cfg.predicted_ttl_us))
@@ -86,14 +87,21 @@ impl Routers {
         self.replicas[replica].finish(RequestId::new(id as u64))
     }
 
-    /// Applies engine `engine`'s events, numbered from `first`, to every replica; returns how
-    /// many applications failed.
-    pub(crate) fn deliver(&mut self, engine: usize, first: u64, events: &[KvEvent]) -> u64 {
+    /// Applies engine `engine`'s events of `tier`, numbered from `first`, to every replica;
+    /// returns how many applications failed.
+    pub(crate) fn deliver(
+        &mut self,
+        engine: usize,
+        tier: Tier,
+        first: u64,
+        events: &[KvEvent],
+    ) -> u64 {
         let mut errors = 0;
         for router in &mut self.replicas {
             for (k, ev) in events.iter().enumerate() {
+                let w = WorkerId::new(engine as u64);
                 if router
-                    .apply_event(WorkerId::new(engine as u64), first + k as u64, ev)
+                    .apply_tier_event(w, tier, first + k as u64, ev)
                     .is_err()
                 {
                     errors += 1;
@@ -109,6 +117,8 @@ pub(crate) struct Fleet {
     pub(crate) engines: Vec<Engine>,
     /// Events delivered so far, per engine: the next event's id.
     pub(crate) next_event_id: Vec<u64>,
+    /// The same for each engine's host tier.
+    pub(crate) next_host_event_id: Vec<u64>,
     /// Unified or prefill pool routers.
     pub(crate) routers: Routers,
     /// Decode pool routers, when disaggregated.
@@ -123,6 +133,8 @@ impl Fleet {
             c.kv_blocks = cfg.kv_blocks;
             c.max_batched_tokens = cfg.max_batched_tokens;
             c.max_num_seqs = cfg.max_num_seqs;
+            c.host_kv_blocks = cfg.host_kv_blocks;
+            c.host_load_ns_per_block = cfg.host_load_ns_per_block();
             Engine::with_shared_timing(c, Arc::clone(timing))
         };
         let (engines, routers, decode_routers): (Vec<Engine>, _, _) =
@@ -143,6 +155,7 @@ impl Fleet {
             };
         Ok(Fleet {
             next_event_id: vec![0; engines.len()],
+            next_host_event_id: vec![0; engines.len()],
             engines,
             routers,
             decode_routers,

@@ -64,7 +64,7 @@ pub use config::{ArrivalModel, Popularity, SimConfig, TraceTiming};
 pub use engine::{Engine, EngineConfig, EngineRequest, Outcome, PlannedStep, Pool};
 pub use error::{Error, TraceError};
 pub use kvroute::{CostModel, Policy};
-pub use report::{InstanceReport, PdReport, PoolReport, Report, HOT_SPOT_THRESHOLD};
+pub use report::{InstanceReport, PdReport, PoolReport, Report, TierReport, HOT_SPOT_THRESHOLD};
 pub use requests::{
     measured_report, workload_requests, MeasuredRequest, PromptContent, WorkloadRequest,
 };

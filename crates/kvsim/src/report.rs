@@ -29,6 +29,8 @@ pub(crate) struct RequestRecord {
     pub(crate) decode_engine: Option<usize>,
     /// Leading prompt blocks already on the decode engine when the transfer started.
     pub(crate) decode_hits: usize,
+    /// Blocks after `hits` loaded from the engine's host tier.
+    pub(crate) host_hits: usize,
     /// When the prefill engine scheduled it.
     pub(crate) scheduled: u64,
     pub(crate) transfer_us: u64,
@@ -43,6 +45,8 @@ pub(crate) struct EngineRecord {
     pub(crate) pool: Pool,
     pub(crate) evictions: u64,
     pub(crate) resident_blocks: usize,
+    /// Blocks its host tier holds at the end.
+    pub(crate) host_blocks: usize,
     pub(crate) busy_us: u64,
 }
 
@@ -122,6 +126,22 @@ pub struct PdReport {
     pub transfer_ms: Summary,
 }
 
+/// Hits per tier, when engines have a host tier (`--host-kv-blocks`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct TierReport {
+    /// Host-tier blocks per instance.
+    pub host_capacity_per_instance: usize,
+    /// Prompt blocks hit on the device (the headline `block_reuse`'s numerator).
+    pub device_hit_blocks: usize,
+    /// Prompt blocks loaded from the host tier instead of recomputed.
+    pub host_hit_blocks: usize,
+    /// Host-tier hits over all full prompt blocks.
+    pub host_block_reuse: f64,
+    /// What the routers credited a host hit against a device hit.
+    pub host_hit_credit: f64,
+}
+
 /// The result of a run. The text form ([`to_text`](Self::to_text)) starts with the source
 /// document's three lines; the JSON form ([`to_json`](Self::to_json)) has every field below
 /// under the same name, with times in the unit its name ends with.
@@ -185,6 +205,9 @@ pub struct Report {
     pub per_instance: Vec<InstanceReport>,
     /// The prefill/decode split (`null` for a unified fleet).
     pub pd: Option<PdReport>,
+    /// Hits per tier (absent without a host tier).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tiers: Option<TierReport>,
 }
 
 impl Report {
@@ -285,6 +308,17 @@ impl Report {
         };
         let cached: usize = done.iter().map(|r| r.hits).sum();
         let outputs: usize = done.iter().map(|r| r.output).sum();
+        let tiers = cfg.host_kv_blocks.map(|h| {
+            let host: usize = done.iter().map(|r| r.host_hits).sum();
+            let prompt: usize = done.iter().map(|r| r.prompt_blocks).sum();
+            TierReport {
+                host_capacity_per_instance: h,
+                device_hit_blocks: cached,
+                host_hit_blocks: host,
+                host_block_reuse: ratio(host as f64, prompt as f64),
+                host_hit_credit: cfg.host_hit_credit,
+            }
+        });
         let mut itl = c.itl;
         Report {
             instances: c.engines.len(),
@@ -315,6 +349,7 @@ impl Report {
             router_errors: c.router_errors + c.inconsistent_inserts,
             per_instance: per,
             pd,
+            tiers,
         }
     }
 
@@ -363,6 +398,17 @@ impl Report {
             lo * 100.0,
             self.per_instance_hit_rate_max * 100.0
         );
+        if let Some(t) = &self.tiers {
+            let _ = writeln!(
+                s,
+                "  Host tier: capacity/instance={}, host hits={} blocks (block-reuse {}), device hits={} blocks, router credit {}",
+                t.host_capacity_per_instance,
+                t.host_hit_blocks,
+                pct(t.host_block_reuse),
+                t.device_hit_blocks,
+                t.host_hit_credit
+            );
+        }
         if let Some(pd) = &self.pd {
             for (name, p, what, m) in [
                 ("Prefill", &pd.prefill, "queueing", &pd.prefill_queue_ms),

@@ -5,7 +5,7 @@ use std::collections::BinaryHeap;
 use std::sync::Arc;
 
 use kvblock::BlockHash;
-use kvcache::KvEvent;
+use kvcache::{KvEvent, Tier};
 
 use crate::config::SimConfig;
 use crate::engine::{EngineRequest, Outcome, Pool};
@@ -96,7 +96,7 @@ enum Kind {
     /// (a later push replaced it).
     StepDone(usize, u32),
     TransferDone(usize),
-    Deliver(usize, Vec<KvEvent>),
+    Deliver(usize, Tier, Vec<KvEvent>),
 }
 
 /// A queued event. Same-time events run in the order the step-by-step loop (one `StepDone`
@@ -452,7 +452,7 @@ impl<'a> Run<'a> {
                     self.step_done(e);
                 }
                 Kind::TransferDone(r) => self.transfer_done(r),
-                Kind::Deliver(e, events) => self.deliver(e, &events),
+                Kind::Deliver(e, tier, events) => self.deliver(e, tier, &events),
             }
             if self.ambiguous {
                 return;
@@ -586,6 +586,7 @@ impl<'a> Run<'a> {
                 hits: 0,
                 decode_engine: None,
                 decode_hits: 0,
+                host_hits: 0,
                 scheduled: 0,
                 transfer_us: 0,
                 first_token: 0,
@@ -729,6 +730,7 @@ impl<'a> Run<'a> {
                     rec.hits = cached_blocks;
                     rec.scheduled = now;
                 }
+                Outcome::HostLoaded { id, blocks } => self.reqs[id as usize].rec.host_hits = blocks,
                 Outcome::FirstToken { id } => {
                     self.reqs[id as usize].rec.first_token = now;
                     if self.cfg.tracks_prefill() {
@@ -795,30 +797,54 @@ impl<'a> Run<'a> {
     }
 
     fn flush_events(&mut self, e: usize) {
-        if self.fleet.engines[e].pending_events() == 0 {
+        self.flush_tier(e, Tier::Device);
+        if self.fleet.engines[e].pending_host_events() > 0 {
+            self.flush_tier(e, Tier::Host);
+        }
+    }
+
+    /// Delivers engine `e`'s queued events of `tier`, now or after the event delay.
+    fn flush_tier(&mut self, e: usize, tier: Tier) {
+        let engine = &mut self.fleet.engines[e];
+        let pending = match tier {
+            Tier::Device => engine.pending_events(),
+            _ => engine.pending_host_events(),
+        };
+        if pending == 0 {
             return;
         }
+        let mut events = if self.cfg.event_delay_us == 0 {
+            std::mem::take(&mut self.events)
+        } else {
+            Vec::with_capacity(pending)
+        };
+        match tier {
+            Tier::Device => events.extend(engine.drain_events()),
+            _ => events.extend(engine.drain_host_events()),
+        }
         if self.cfg.event_delay_us == 0 {
-            let mut events = std::mem::take(&mut self.events);
-            events.extend(self.fleet.engines[e].drain_events());
-            self.deliver(e, &events);
+            self.deliver(e, tier, &events);
             events.clear();
             self.events = events;
         } else {
-            let events: Vec<KvEvent> = self.fleet.engines[e].drain_events().collect();
             self.push(
                 self.now.saturating_add(self.cfg.event_delay_us),
-                Kind::Deliver(e, events),
+                Kind::Deliver(e, tier, events),
             );
         }
     }
 
-    /// Applies an engine's events to every router replica of its pool, with the same ids.
-    fn deliver(&mut self, e: usize, events: &[KvEvent]) {
+    /// Applies an engine's events of `tier` to every router replica of its pool, with the same
+    /// ids.
+    fn deliver(&mut self, e: usize, tier: Tier, events: &[KvEvent]) {
         let pool = self.fleet.engines[e].config().pool;
-        let first = self.fleet.next_event_id[e];
-        self.router_errors += self.fleet.routers_of(pool).deliver(e, first, events);
-        self.fleet.next_event_id[e] += events.len() as u64;
+        let next = match tier {
+            Tier::Device => &mut self.fleet.next_event_id[e],
+            _ => &mut self.fleet.next_host_event_id[e],
+        };
+        let first = *next;
+        *next += events.len() as u64;
+        self.router_errors += self.fleet.routers_of(pool).deliver(e, tier, first, events);
     }
 
     fn collect(self) -> Records {
@@ -830,6 +856,7 @@ impl<'a> Run<'a> {
                     pool: e.config().pool,
                     evictions: e.cache().stats().evictions,
                     resident_blocks: e.cache().len(),
+                    host_blocks: e.cache().host_tier().map_or(0, |(_, n)| n),
                     busy_us: e.busy_us(),
                 })
                 .collect(),
@@ -1024,7 +1051,7 @@ mod tests {
                           kv in prop::option::of(4usize..60), bs in prop::sample::select(vec![16usize, 64, 256]),
                           policy in prop::sample::select(Policy::ALL.to_vec()), delay in prop::sample::select(vec![0u64, 5_000]),
                           input in 1usize..3000, output in 1usize..40, seqs in 1usize..8, seed in 0u64..1000,
-                          rm in routing_model()) {
+                          rm in routing_model(), host in prop::option::of(0usize..40)) {
             let cfg = SimConfig {
                 instances,
                 prefill_instances: pd.map(|p| p.0),
@@ -1043,6 +1070,8 @@ mod tests {
                 num_requests: 60,
                 request_rate: 40.0,
                 seed,
+                host_kv_blocks: host,
+                host_load_gbps: 10.0,
                 ..rm.apply(kv)
             };
             cfg.validate().unwrap();
@@ -1054,6 +1083,7 @@ mod tests {
                 prop_assert_eq!(router.in_flight_total(), 0);
                 for w in router.workers() {
                     prop_assert_eq!((router.pending_prefill_blocks(w), router.decode_blocks(w)), (0, 0));
+                    prop_assert_eq!(router.tier_view(w, Tier::Host), c.engines[w.get() as usize].host_blocks);
                     prop_assert_eq!(router.cache_view(w), c.engines[w.get() as usize].resident_blocks);
                 }
             }

@@ -184,3 +184,39 @@ fn json_has_the_documented_fields() {
     assert_eq!(v["per_instance"].as_array().unwrap().len(), 4);
     assert!(v["ttft_ms"]["p99"].as_f64().unwrap() > 0.0);
 }
+
+/// A host tier, worked by hand: A (blocks 1..=8) runs, B (11..=18) evicts most of A from a
+/// 10-block device into the host tier, then A again: its 8 blocks are hit on the device (d)
+/// or loaded from the host (h = 8 - d), and its first token waits for one step of 1 prefill
+/// token (7,050 + 19.5 µs, rounded: 7,070 µs) plus the load, h blocks of 16 tokens x 131,072
+/// bytes at 25 GB/s (83,886 ns each, rounded up to whole µs).
+#[test]
+fn host_tier_hits_are_loaded_not_recomputed() {
+    let line = |t: u64, first: u64| {
+        let ids: Vec<String> = (first..first + 8).map(|i| i.to_string()).collect();
+        format!(
+            "{{\"timestamp\": {t}, \"input_length\": 128, \"output_length\": 1, \"hash_ids\": [{}]}}\n",
+            ids.join(", ")
+        )
+    };
+    let text = [line(0, 1), line(1000, 11), line(2000, 1)].concat();
+    let trace = kvsim::Trace::parse("t.jsonl", &text, BlockSize::new(16).unwrap()).unwrap();
+    let mut c = SimConfig::default().with_trace(trace);
+    c.instances = 1;
+    c.kv_blocks = Some(10);
+    let without = run(c.clone());
+    assert!(without.tiers.is_none());
+    c.host_kv_blocks = Some(64);
+    let r = run(c);
+    let t = r.tiers.as_ref().expect("a host tier");
+    assert_eq!(t.device_hit_blocks + t.host_hit_blocks, 8, "{t:?}");
+    assert!(t.host_hit_blocks > 0);
+    assert_eq!(without.block_reuse * 24.0, t.device_hit_blocks as f64);
+    // A and B prefill 128 tokens: 7,050 + 19.5 x 128 = 9,546 µs each.
+    let ttft_c = (r.ttft_ms.mean * 3.0 * 1000.0).round() as u64 - 2 * 9_546;
+    let load_us = (t.host_hit_blocks as u64 * 83_886).div_ceil(1000);
+    assert_eq!(ttft_c, 7_070 + load_us);
+    let json = r.to_json();
+    assert!(json.contains("\"host_hit_blocks\""), "{json}");
+    assert!(!without.to_json().contains("\"tiers\""));
+}
