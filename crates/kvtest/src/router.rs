@@ -57,7 +57,9 @@ use kvblock::{BlockHash, BlockHasher, BlockSize};
 use kvcache::{IndexSnapshot, KvEvent, WorkerId};
 use std::time::Duration;
 
-use kvroute::{BusyThreshold, CostModel, Decision, Error, Policy, RequestId, Role, Router};
+use kvroute::{
+    BusyThreshold, CostModel, Decision, Error, Policy, RequestId, Role, Router, Tier, TierCredits,
+};
 
 use crate::index as index_model;
 
@@ -136,6 +138,8 @@ pub struct Config {
     pub busy_prefill: Option<u8>,
     /// Predicted blocks' time to live in milliseconds (0: off).
     pub predicted_ttl_ms: u8,
+    /// The host tier's credit `(c % 6) / 4` (above 1 is invalid); `None`: the default.
+    pub host_credit: Option<u8>,
 }
 
 /// A KV event, as codes of paths (see [`crate::chains`]).
@@ -217,6 +221,14 @@ pub enum Op {
     PrefillDone(u8),
     /// `set_clock` to the model's time plus this many milliseconds.
     Clock(u8),
+    /// `apply_tier_event` of the host tier, with the next id (a `Stored` is parentless, as an
+    /// engine's demoted blocks are).
+    ApplyHost {
+        /// The worker code.
+        worker: u8,
+        /// The event.
+        event: Event,
+    },
     /// `explain(blocks, role)`.
     Explain {
         /// The prompt's blocks.
@@ -315,6 +327,9 @@ struct Model {
     now: u64,
     /// Per worker: predicted blocks and when each lapses.
     predicted: BTreeMap<WorkerId, BTreeMap<BlockHash, u64>>,
+    /// Per worker: the host tier's blocks and its next event id.
+    host: BTreeMap<WorkerId, (BTreeSet<BlockHash>, u64)>,
+    host_credit: f64,
 }
 
 /// A worker's load as the model counts it.
@@ -375,14 +390,25 @@ impl Model {
             .get(&w)
             .map_or(0, |p| p.values().filter(|&&t| t > self.now).count())
     }
-    fn cost(&self, w: WorkerId, weight: f64, n: usize, hits: usize) -> f64 {
+    fn cost(&self, w: WorkerId, weight: f64, n: usize, hits: usize, b: &[BlockHash]) -> f64 {
         let l = self.load_of(w);
-        match self.cost_model {
+        let c = match self.cost_model {
             CostModel::PrefillAware => {
                 kvroute::prefill_aware_cost(weight, n, hits, l.pending, l.decode)
             }
             _ => kvroute::cost(weight, n, hits, l.active),
-        }
+        };
+        let credit = (0..self.host_run(w, b, hits)).fold(0.0, |a, _| a + self.host_credit);
+        c - weight * credit
+    }
+    /// The run of `b[from..]` on `w`'s host tier.
+    fn host_run(&self, w: WorkerId, b: &[BlockHash], from: usize) -> usize {
+        self.host.get(&w).map_or(0, |(set, _)| {
+            b[from.min(b.len())..]
+                .iter()
+                .take_while(|x| set.contains(x))
+                .count()
+        })
     }
     fn busy(&self, w: WorkerId) -> bool {
         let Some(b) = self.busy else {
@@ -416,6 +442,7 @@ impl Model {
         // Keys that cannot live on `w` stay where they are.
         self.homes.retain(|_, s| !s.contains(&w));
         self.predicted.remove(&w);
+        self.host.remove(&w);
     }
 }
 
@@ -483,9 +510,14 @@ impl Harness {
             busy = Some(t);
         }
         let ttl = u64::from(c.predicted_ttl_ms);
+        let host_credit = c
+            .host_credit
+            .map_or(TierCredits::default().host(), |k| f64::from(k % 6) / 4.0);
         b = b
             .cost_model(cost_model)
-            .predicted_ttl(Duration::from_millis(ttl));
+            .predicted_ttl(Duration::from_millis(ttl))
+            .tier_credits(TierCredits::new(host_credit, 0.0));
+        let bad_busy = bad_busy || host_credit > 1.0;
         if let Some(t) = temperature {
             b = b.temperature(t);
         }
@@ -521,6 +553,7 @@ impl Harness {
                     busy,
                     block_size: bs,
                     ttl,
+                    host_credit,
                     ..Model::default()
                 };
                 Some(Harness {
@@ -533,7 +566,7 @@ impl Harness {
                 assert!(!valid, "build rejected a valid {c:?}: {e}");
                 match e {
                     Error::InvalidWeight {
-                        name: "busy decode fraction",
+                        name: "busy decode fraction" | "host tier credit",
                         ..
                     }
                     | Error::InvalidSetting {
@@ -626,6 +659,42 @@ impl Harness {
                     ),
                 }
             }
+            Op::ApplyHost {
+                worker: w,
+                event: e,
+            } => {
+                let w = worker(*w);
+                m.seen.insert(w);
+                let ev = match e.event() {
+                    KvEvent::Stored { blocks, .. } => KvEvent::Stored {
+                        parent: None,
+                        blocks,
+                    },
+                    other => other,
+                };
+                let next = m.host.get(&w).map_or(0, |h| h.1);
+                let r = router.apply_tier_event(w, Tier::Host, next, &ev);
+                if m.index.workers.contains_key(&w) {
+                    assert!(r.is_ok(), "host event of {w}: {r:?}");
+                    let (set, id) = m.host.entry(w).or_default();
+                    *id += 1;
+                    match ev {
+                        KvEvent::Stored { blocks, .. } => set.extend(blocks),
+                        KvEvent::Removed { blocks } => {
+                            for b in blocks {
+                                set.remove(&b);
+                            }
+                        }
+                        KvEvent::Cleared => set.clear(),
+                    }
+                } else {
+                    assert_eq!(
+                        r,
+                        Err(Error::UnknownWorker { worker: w }),
+                        "host event of {w}"
+                    );
+                }
+            }
             Op::Clock(dt) => {
                 m.now += u64::from(*dt);
                 router.set_clock(Duration::from_millis(m.now));
@@ -692,6 +761,9 @@ impl Harness {
                 assert_eq!(router.clear_worker(w), m.index.clear(w), "clear {w}");
                 if m.index.workers.contains_key(&w) {
                     m.predicted.remove(&w);
+                    if let Some((set, _)) = m.host.get_mut(&w) {
+                        set.clear();
+                    }
                 }
             }
             Op::Explain { blocks: b, role: r } => {
@@ -705,9 +777,9 @@ impl Harness {
                         let (hits, l) = (m.hits(w, &b), m.load_of(w));
                         (
                             w,
-                            hits,
+                            (hits, m.host_run(w, &b, hits)),
                             (l.active, l.pending, l.decode, m.busy(w)),
-                            m.cost(w, weight, b.len(), hits).to_bits(),
+                            m.cost(w, weight, b.len(), hits, &b).to_bits(),
                         )
                     })
                     .collect();
@@ -716,7 +788,7 @@ impl Harness {
                     .map(|c| {
                         (
                             c.worker,
-                            c.cache_hits,
+                            (c.cache_hits, c.lower_tier_hits),
                             (
                                 c.active_blocks,
                                 c.pending_prefill_blocks,
@@ -756,6 +828,10 @@ impl Harness {
                         r.counts = false;
                     }
                     m.predicted.clear();
+                    // The lower tiers refill from events; their ids go on.
+                    for (set, _) in m.host.values_mut() {
+                        set.clear();
+                    }
                 }
             }
             Op::RestoreBad { k, how } => {
@@ -830,7 +906,12 @@ fn route(
         (n, hits),
         "{d:?}: request blocks / hits"
     );
-    let want = m.cost(d.worker, weight, n, hits);
+    let want = m.cost(d.worker, weight, n, hits, &blocks);
+    assert_eq!(
+        d.lower_tier_hits,
+        m.host_run(d.worker, &blocks, hits),
+        "{d:?}: host hits"
+    );
     assert_eq!(
         d.cost.to_bits(),
         want.to_bits(),
@@ -932,6 +1013,11 @@ fn check_state(router: &Router, m: &Model) {
             m.predicted_count(*w),
             "{w}: predicted blocks"
         );
+        assert_eq!(
+            router.tier_view(*w, Tier::Host),
+            m.host.get(w).map_or(0, |h| h.0.len()),
+            "{w}: host tier view"
+        );
         let view = m.index.workers.get(w).map_or(0, |s| s.blocks.len());
         assert_eq!(router.cache_view(*w), view, "{w}: cache view");
     }
@@ -976,11 +1062,13 @@ pub mod strategy {
             prop_oneof![19 => 1u8..4, 1 => Just(0u8)],
             0u8..8,
             any::<u8>(),
-            model(),
+            (model(), prop::option::of(0u8..6)),
         )
             .prop_map(
                 |(policy, weight, prefill, decode, seed, prefix_blocks, vnodes, block_size, m)| {
-                    let (cost_model, temperature, busy_decode, busy_prefill, predicted_ttl_ms) = m;
+                    let (cost_model, temperature, busy_decode, busy_prefill, predicted_ttl_ms) =
+                        m.0;
+                    let host_credit = m.1;
                     Config {
                         policy,
                         weight,
@@ -995,6 +1083,7 @@ pub mod strategy {
                         busy_decode,
                         busy_prefill,
                         predicted_ttl_ms,
+                        host_credit,
                     }
                 },
             )
@@ -1049,6 +1138,7 @@ pub mod strategy {
             4 => request().prop_map(Op::Finish),
             2 => request().prop_map(Op::PrefillDone),
             1 => (0u8..30).prop_map(Op::Clock),
+            2 => (worker(), event()).prop_map(|(worker, event)| Op::ApplyHost { worker, event }),
             1 => worker().prop_map(Op::Add),
             1 => worker().prop_map(Op::Remove),
             4 => (worker(), prop_oneof![8 => Just(0i8), 1 => -2i8..0, 1 => 1i8..3], event())
