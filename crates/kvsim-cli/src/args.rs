@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use kvblock::BlockSize;
-use kvsim::{ArrivalModel, LinearTiming, Policy, Popularity, SimConfig, Trace, TraceTiming};
+use kvsim::{ArrivalModel, LinearTiming, Policy, Popularity, SimConfig, Slo, Trace, TraceTiming};
 
 /// Simulate a fleet of LLM engine replicas behind a KV-cache-aware router.
 ///
@@ -210,6 +210,19 @@ pub(crate) struct RunArgs {
     )]
     kv_bytes_per_token: Option<u64>,
 
+    /// Target time to first token (arrival to first token), ms: the report adds the share of
+    /// requests within each target, within all of them, and the goodput (requests per second
+    /// within all). A rejected request misses every target.
+    #[arg(long, value_name = "MS", help_heading = "Service-level objectives")]
+    pub(crate) slo_ttft_ms: Option<f64>,
+    /// Target inter-token latency, ms, on each request's mean gap between its output tokens
+    /// ((last - first token) / (output - 1); one output token always meets it).
+    #[arg(long, value_name = "MS", help_heading = "Service-level objectives")]
+    pub(crate) slo_itl_ms: Option<f64>,
+    /// Target end-to-end latency (arrival to last token), ms.
+    #[arg(long, value_name = "MS", help_heading = "Service-level objectives")]
+    pub(crate) slo_e2e_ms: Option<f64>,
+
     /// Output format: text or json.
     #[arg(long, default_value = "text", value_parser = ["text", "json"], value_name = "FORMAT", help_heading = "Output")]
     format: String,
@@ -264,6 +277,9 @@ pub(crate) const FLAGS: &[(&str, &str)] = &[
     ("routers", "--des-routers"),
     ("trace_speedup", "--trace-speedup"),
     ("trace_timing", "--trace-timing"),
+    ("slo.ttft_ms", "--slo-ttft-ms"),
+    ("slo.itl_ms", "--slo-itl-ms"),
+    ("slo.e2e_ms", "--slo-e2e-ms"),
 ];
 
 fn flag_of(setting: &str) -> Option<&'static str> {
@@ -502,6 +518,7 @@ impl RunArgs {
         set(&mut cfg.routing, &self.des_routing);
         set(&mut cfg.overlap_weight, &self.des_overlap_weight);
         set(&mut cfg.prefix_aware_blocks, &self.prefix_aware_blocks);
+        cfg.slo = Slo::new(self.slo_ttft_ms, self.slo_itl_ms, self.slo_e2e_ms);
         cfg.validate().map_err(|e| flagged(&e))?;
         Ok(cfg)
     }

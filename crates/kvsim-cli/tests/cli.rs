@@ -85,6 +85,8 @@ fn bad_flags_exit_2_with_one_line_naming_the_flag() {
         ),
         (&["--des-prefix-len", "9000"][..], "--des-prefix-len"),
         (&["--format", "xml"][..], "--format"),
+        (&["--slo-ttft-ms", "0"][..], "--slo-ttft-ms"),
+        (&["--slo-itl-ms", "abc"][..], "--slo-itl-ms"),
         (&["--no-such-flag"][..], "--no-such-flag"),
     ] {
         let (code, out, err) = kvsim(args);
@@ -108,4 +110,29 @@ fn help_explains_and_exits_0() {
     ] {
         assert!(out.contains(flag), "--help lacks {flag}");
     }
+}
+
+#[test]
+fn slo_targets_add_one_line_and_a_json_part() {
+    let (code, plain, _) = kvsim(DOC);
+    assert_eq!(code, 0);
+    let mut args = DOC.to_vec();
+    args.extend(["--slo-ttft-ms", "100", "--slo-itl-ms", "10"]);
+    let (code, out, err) = kvsim(&args);
+    assert_eq!(code, 0, "{err}");
+    let extra: Vec<&str> = out.lines().filter(|l| !plain.contains(l)).collect();
+    assert_eq!(extra.len(), 1, "{out}");
+    assert!(
+        extra[0].starts_with("  SLO attainment: TTFT <= 100 ms ")
+            && extra[0].contains("ITL <= 10 ms (mean per request)")
+            && extra[0].contains("goodput"),
+        "{out}"
+    );
+    args.extend(["--format", "json"]);
+    let (_, out, _) = kvsim(&args);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["slo"]["ttft_ms"], 100.0);
+    assert!(v["slo"]["e2e_attainment"].is_null());
+    let (_, out, _) = kvsim(&["--des-num-requests", "20", "--format", "json"]);
+    assert!(!out.contains("\"slo\""));
 }

@@ -9,6 +9,7 @@ use kvblock::BlockSize;
 use kvroute::Policy;
 
 use crate::error::Error;
+use crate::slo::Slo;
 use crate::timing::LinearTiming;
 use crate::trace::{Trace, MAX_TOKENS};
 /// Engines per pool above this are refused.
@@ -214,6 +215,9 @@ pub struct SimConfig {
     pub trace_speedup: f64,
     /// Keep the trace's timestamps or re-time arrivals (`--trace-timing`).
     pub trace_timing: TraceTiming,
+    /// Latency targets; when any is set the report adds their attainment and the goodput
+    /// (`--slo-ttft-ms`, `--slo-itl-ms`, `--slo-e2e-ms`).
+    pub slo: Slo,
 }
 
 impl Default for SimConfig {
@@ -250,6 +254,7 @@ impl Default for SimConfig {
             trace: None,
             trace_speedup: 1.0,
             trace_timing: TraceTiming::Keep,
+            slo: Slo::default(),
         }
     }
 }
@@ -435,6 +440,7 @@ impl SimConfig {
             }
         }
         self.timing.validate()?;
+        self.slo.validate()?;
         Ok(())
     }
 }

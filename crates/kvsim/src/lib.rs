@@ -55,6 +55,7 @@ mod report;
 mod requests;
 mod rng;
 mod sim;
+mod slo;
 mod stats;
 mod timing;
 mod trace;
@@ -69,6 +70,7 @@ pub use requests::{
     measured_report, workload_requests, MeasuredRequest, PromptContent, WorkloadRequest,
 };
 pub use sim::Simulation;
+pub use slo::{Slo, SloReport};
 pub use stats::Summary;
 pub use timing::{LinearTiming, StepShape, TimingModel};
 pub use trace::{Lengths, Trace, TraceRequest, TraceStats, MAX_TOKENS};

@@ -8,6 +8,7 @@ use kvroute::Policy;
 
 use crate::config::SimConfig;
 use crate::engine::Pool;
+use crate::slo::SloReport;
 use crate::stats::{ratio, Summary};
 
 /// Load balance (max over mean requests per instance) above which the report warns of
@@ -185,6 +186,10 @@ pub struct Report {
     pub per_instance: Vec<InstanceReport>,
     /// The prefill/decode split (`null` for a unified fleet).
     pub pd: Option<PdReport>,
+    /// Attainment of the latency targets and goodput; only present (in JSON too) when a
+    /// target is set.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slo: Option<SloReport>,
 }
 
 impl Report {
@@ -286,6 +291,10 @@ impl Report {
         let cached: usize = done.iter().map(|r| r.hits).sum();
         let outputs: usize = done.iter().map(|r| r.output).sum();
         let mut itl = c.itl;
+        let slo = cfg
+            .slo
+            .is_set()
+            .then(|| SloReport::build(&cfg.slo, &c.requests, makespan_s));
         Report {
             instances: c.engines.len(),
             routers: cfg.routers,
@@ -315,6 +324,7 @@ impl Report {
             router_errors: c.router_errors + c.inconsistent_inserts,
             per_instance: per,
             pd,
+            slo,
         }
     }
 
@@ -404,6 +414,9 @@ impl Report {
                 "  {name:<4} ms: mean {:.1}, p50 {:.1}, p90 {:.1}, p99 {:.1}",
                 m.mean, m.p50, m.p90, m.p99
             );
+        }
+        if let Some(slo) = &self.slo {
+            s.push_str(&slo.to_text());
         }
         let (min_r, max_r) = self
             .per_instance
