@@ -48,6 +48,57 @@ pub(crate) enum Cmd {
     },
     /// Run one simulation per value of a run parameter and tabulate the results.
     Sweep(Box<SweepArgs>),
+    /// Find the highest arrival rate (or the fewest instances) that keeps the --slo-* targets
+    /// for a share of requests, by a parallel bisection over simulations.
+    Capacity(Box<CapacityArgs>),
+}
+
+/// `kvsim capacity`: the search's own flags, then every run flag.
+#[derive(Debug, Args)]
+#[command(allow_negative_numbers = true, args_override_self = true)]
+pub(crate) struct CapacityArgs {
+    /// What to find: rate (the highest arrival rate meeting the targets; with a trace and
+    /// --trace-timing keep, reached by --trace-speedup, shown as requests/s) or instances (the
+    /// fewest --des-instances meeting them at the run's rate).
+    #[arg(long, default_value = "rate", value_parser = ["rate", "instances"], value_name = "WHAT")]
+    pub(crate) find: String,
+    /// Share of all requests (rejected ones count as misses) that must meet every --slo-* target.
+    #[arg(long, default_value_t = 0.99, value_name = "SHARE")]
+    pub(crate) attainment: f64,
+    /// Simulations in all; the search stops earlier when the rate bracket is within 0.5% or
+    /// the instance bracket one apart.
+    #[arg(long, default_value_t = 20, value_name = "N")]
+    pub(crate) runs: usize,
+    /// Simulations per round, run in parallel. The points tried depend on this, never on --jobs,
+    /// so a seed gives the same search on any machine.
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    pub(crate) probes: usize,
+    /// --find instances: the most instances to try.
+    #[arg(long, default_value_t = 1024, value_name = "N")]
+    pub(crate) max_instances: usize,
+    /// Draw attainment against the rate (or instances) as an SVG chart, with the target.
+    #[arg(long, value_name = "FILE.svg")]
+    pub(crate) plot: Option<PathBuf>,
+    #[command(flatten)]
+    pub(crate) batch: Batch,
+}
+
+/// What runs many simulations takes: how many at once, and every run flag.
+#[derive(Debug, Args)]
+pub(crate) struct Batch {
+    /// Simulations to run at once (default: the machine's cores).
+    #[arg(long, value_name = "N")]
+    jobs: Option<usize>,
+    #[command(flatten)]
+    pub(crate) run: RunArgs,
+}
+
+impl Batch {
+    /// Threads to run simulations on: --jobs, or the machine's cores.
+    pub(crate) fn jobs(&self) -> usize {
+        self.jobs
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+    }
 }
 
 #[derive(Debug, Args)]
@@ -64,11 +115,8 @@ pub(crate) struct SweepArgs {
     /// Draw hit rate and TTFT p99 against the swept value as an SVG chart.
     #[arg(long, value_name = "FILE.svg")]
     pub(crate) plot: Option<PathBuf>,
-    /// Simulations to run at once (default: the machine's cores).
-    #[arg(long, value_name = "N")]
-    pub(crate) jobs: Option<usize>,
     #[command(flatten)]
-    pub(crate) run: RunArgs,
+    pub(crate) batch: Batch,
 }
 
 /// The run flags. Each simulation setting is an `Option`: unset means `SimConfig::default()`'s
@@ -240,7 +288,9 @@ const EXAMPLES: &str = "Examples:
   kvsim --trace conversation.jsonl --des-instances 8 --des-kv-blocks 900
   kvsim --des-prefill-instances 4 --des-decode-instances 4 --kv-prefill-overlap-weight 20
   kvsim trace-stats conversation.jsonl
-  kvsim sweep --param des-overlap-weight=0,0.5,1,2,4 --plot sweep.svg";
+  kvsim sweep --param des-overlap-weight=0,0.5,1,2,4 --plot sweep.svg
+  kvsim capacity --slo-ttft-ms 2000 --slo-itl-ms 50 --attainment 0.99 --des-num-requests 2000
+  kvsim capacity --find instances --request-rate 40 --slo-ttft-ms 2000 --des-num-requests 2000";
 
 /// Each `SimConfig` setting (as the library's errors name it) and the flag that sets it.
 pub(crate) const FLAGS: &[(&str, &str)] = &[
@@ -392,6 +442,7 @@ pub(crate) fn command() -> clap::Command {
     Cli::command()
         .mut_args(add)
         .mut_subcommand("sweep", |s| s.mut_args(add))
+        .mut_subcommand("capacity", |s| s.mut_args(add))
 }
 
 /// Parses a command line (the first item is the program name).
@@ -560,7 +611,7 @@ mod tests {
         let Some(Cmd::Sweep(s)) = sweep.cmd else {
             panic!("not a sweep")
         };
-        assert_eq!(s.run.config().unwrap(), SimConfig::default());
+        assert_eq!(s.batch.run.config().unwrap(), SimConfig::default());
     }
 
     /// Every setting the library can name maps to a flag the command has, and every run flag

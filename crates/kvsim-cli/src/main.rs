@@ -1,6 +1,7 @@
 //! The `kvsim` command: simulate a fleet of LLM engines behind a KV-aware router.
 
 mod args;
+mod capacity;
 mod plot;
 mod row;
 mod sweep;
@@ -39,6 +40,7 @@ fn main() -> ExitCode {
             format,
         }) => trace_stats(&file, trace_block_size, &format),
         Some(Cmd::Sweep(args)) => sweep_command(&args),
+        Some(Cmd::Capacity(args)) => capacity::main(&args),
     }
 }
 
@@ -79,7 +81,7 @@ fn sweep_command(args: &SweepArgs) -> ExitCode {
             Ok(Cli {
                 cmd: Some(Cmd::Sweep(s)),
                 ..
-            }) => s.run.config(),
+            }) => s.batch.run.config(),
             Ok(_) => Err("internal: the sweep's command line did not parse as a sweep".to_string()),
             Err(e) => Err(one_line(&e)),
         };

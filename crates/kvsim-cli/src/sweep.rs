@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvsim::{Report, SimConfig, Simulation};
 
-use crate::args::{flagged, SweepArgs};
+use crate::args::{flagged, Batch, SweepArgs};
 use crate::row::Row;
 
 /// A progress bar on stderr.
@@ -36,12 +36,12 @@ pub(crate) fn parse_param(s: &str) -> Result<(String, Vec<String>), String> {
     Ok((name, values))
 }
 
-/// Runs every configuration on `jobs` threads; results keep the order of the values.
-fn run_all(
+/// Runs every configuration on the batch's threads; results keep the order of the values.
+pub(crate) fn run_all(
     configs: &[(String, SimConfig)],
-    jobs: usize,
-    progress: bool,
+    batch: &Batch,
 ) -> Result<Vec<Report>, String> {
+    let (jobs, progress) = (batch.jobs(), batch.run.progress());
     let next = AtomicUsize::new(0);
     let results: Mutex<Vec<Option<Result<Report, String>>>> = Mutex::new(vec![None; configs.len()]);
     let bar = progress.then(|| bar(configs.len() as u64, "runs"));
@@ -76,10 +76,7 @@ fn run_all(
 }
 
 pub(crate) fn main(args: &SweepArgs, name: &str, configs: Vec<(String, SimConfig)>) -> ExitCode {
-    let jobs = args
-        .jobs
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let reports = match run_all(&configs, jobs, args.run.progress()) {
+    let reports = match run_all(&configs, &args.batch) {
         Ok(r) => r,
         Err(e) => {
             eprintln!("kvsim: {e}");
@@ -103,7 +100,7 @@ pub(crate) fn main(args: &SweepArgs, name: &str, configs: Vec<(String, SimConfig
             return ExitCode::from(2);
         }
     }
-    if args.run.json() {
+    if args.batch.run.json() {
         println!(
             "{}",
             serde_json::to_string_pretty(&rows).unwrap_or_default()

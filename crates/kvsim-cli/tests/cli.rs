@@ -110,6 +110,20 @@ fn help_explains_and_exits_0() {
     ] {
         assert!(out.contains(flag), "--help lacks {flag}");
     }
+    let (code, out, _) = kvsim(&["capacity", "--help"]);
+    assert_eq!(code, 0);
+    for flag in [
+        "--find",
+        "--attainment",
+        "--runs",
+        "--probes",
+        "--plot",
+        "--jobs",
+        "--slo-itl-ms",
+        "mean gap",
+    ] {
+        assert!(out.contains(flag), "capacity --help lacks {flag}");
+    }
 }
 
 #[test]
@@ -135,4 +149,138 @@ fn slo_targets_add_one_line_and_a_json_part() {
     assert!(v["slo"]["e2e_attainment"].is_null());
     let (_, out, _) = kvsim(&["--des-num-requests", "20", "--format", "json"]);
     assert!(!out.contains("\"slo\""));
+}
+
+const CAPACITY: &[&str] = &[
+    "capacity",
+    "--slo-ttft-ms",
+    "200",
+    "--slo-itl-ms",
+    "50",
+    "--des-num-requests",
+    "80",
+    "--des-block-size",
+    "512",
+    "--runs",
+    "9",
+    "--quiet",
+];
+
+#[test]
+fn capacity_search_is_deterministic_whatever_the_threads() {
+    let mut one = CAPACITY.to_vec();
+    one.extend(["--jobs", "1"]);
+    let (code, a, err) = kvsim(&one);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("9 runs in 3 rounds"), "{err}");
+    let mut three = CAPACITY.to_vec();
+    three.extend(["--jobs", "3"]);
+    let (_, b, _) = kvsim(&three);
+    assert_eq!(a, b);
+    assert!(a.starts_with("  Capacity search: highest request rate with >= 99.0% of requests within TTFT <= 200 ms, ITL <= 50 ms | routing=kv"), "{a}");
+    assert_eq!(
+        a.lines()
+            .filter(|l| l.ends_with("pass") || l.ends_with("FAIL"))
+            .count(),
+        9,
+        "{a}"
+    );
+    let answer = a.lines().last().unwrap();
+    assert!(
+        answer.starts_with("  Answer: ") && answer.contains(" req/s sustained ("),
+        "{a}"
+    );
+    // JSON: the answer passes, the first failure above it fails, and nothing between was tried.
+    let mut json = CAPACITY.to_vec();
+    json.extend(["--format", "json"]);
+    let (_, out, _) = kvsim(&json);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let (ans, fail) = (
+        v["answer"].as_f64().unwrap(),
+        v["first_failure"].as_f64().unwrap(),
+    );
+    assert!(ans < fail);
+    for p in v["probes"].as_array().unwrap() {
+        let x = p["x"].as_f64().unwrap();
+        assert_eq!(
+            p["pass"].as_bool().unwrap(),
+            p["attainment"].as_f64().unwrap() >= 0.99
+        );
+        assert!(!(x > ans && x < fail), "{x} inside the bracket");
+        if x == ans || x == fail {
+            assert_eq!(p["pass"].as_bool().unwrap(), x == ans);
+        }
+    }
+}
+
+#[test]
+fn capacity_finds_the_fewest_instances() {
+    let (code, out, err) = kvsim(&[
+        "capacity",
+        "--find",
+        "instances",
+        "--request-rate",
+        "30",
+        "--slo-ttft-ms",
+        "300",
+        "--des-num-requests",
+        "80",
+        "--des-block-size",
+        "512",
+        "--quiet",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let n = v["answer"].as_f64().unwrap();
+    let probes = v["probes"].as_array().unwrap();
+    // The answer passes and one fewer instance was tried and fails (or the answer is 1).
+    let verdict = |x: f64| {
+        probes
+            .iter()
+            .find(|p| p["x"] == x)
+            .map(|p| p["pass"].as_bool().unwrap())
+    };
+    assert_eq!(verdict(n), Some(true));
+    assert!(n == 1.0 || verdict(n - 1.0) == Some(false), "{out}");
+}
+
+#[test]
+fn capacity_refuses_bad_settings_in_one_line() {
+    for (args, needle) in [
+        (&["capacity"][..], "--slo-ttft-ms"),
+        (
+            &["capacity", "--slo-ttft-ms", "100", "--attainment", "1.5"][..],
+            "--attainment",
+        ),
+        (
+            &["capacity", "--slo-ttft-ms", "100", "--runs", "0"][..],
+            "--runs",
+        ),
+        (
+            &["capacity", "--slo-ttft-ms", "100", "--find", "speed"][..],
+            "--find",
+        ),
+        (
+            &[
+                "capacity",
+                "--slo-ttft-ms",
+                "100",
+                "--find",
+                "instances",
+                "--des-prefill-instances",
+                "1",
+                "--des-decode-instances",
+                "1",
+            ][..],
+            "--find instances",
+        ),
+    ] {
+        let (code, out, err) = kvsim(args);
+        assert_eq!(code, 2, "{args:?}");
+        assert!(out.is_empty(), "{args:?}");
+        assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
 }
