@@ -6,7 +6,9 @@ use std::path::PathBuf;
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use kvblock::BlockSize;
-use kvsim::{ArrivalModel, LinearTiming, Policy, Popularity, SimConfig, Slo, Trace, TraceTiming};
+use kvsim::{
+    ArrivalModel, LinearTiming, Policy, Popularity, SimConfig, Slo, TimingKind, Trace, TraceTiming,
+};
 
 /// Simulate a fleet of LLM engine replicas behind a KV-cache-aware router.
 ///
@@ -48,6 +50,18 @@ pub(crate) enum Cmd {
     },
     /// Run one simulation per value of a run parameter and tabulate the results.
     Sweep(Box<SweepArgs>),
+    /// Fit the linear timing model to measured engine steps (least squares on relative error)
+    /// and print the coefficients as --timing-* flags, with the mean absolute percentage error.
+    Calibrate {
+        /// Measured steps: a CSV with the header
+        /// prefill_tokens,decode_requests,context_tokens,step_us (any column order; other
+        /// columns ignored), one engine step per line.
+        #[arg(long, value_name = "FILE.csv")]
+        steps: PathBuf,
+        /// Output format: text or json.
+        #[arg(long, default_value = "text", value_parser = ["text", "json"], value_name = "FORMAT")]
+        format: String,
+    },
     /// Find the highest arrival rate (or the fewest instances) that keeps the --slo-* targets
     /// for a share of requests, by a parallel bisection over simulations.
     Capacity(Box<CapacityArgs>),
@@ -183,6 +197,15 @@ pub(crate) struct RunArgs {
     /// Running requests per engine.
     #[arg(long, value_name = "N", help_heading = "Fleet")]
     max_num_seqs: Option<usize>,
+    /// Step-time model: linear (the --timing-* coefficients) or polynomial (NVIDIA Dynamo
+    /// mocker's: prefill quadratic in new tokens, decode quadratic in KV utilisation; see
+    /// kvsim::PolynomialTiming).
+    #[arg(long, value_parser = parse_timing_kind, value_name = "MODEL", help_heading = TIMING)]
+    timing: Option<TimingKind>,
+    /// Polynomial timing: KV capacity in tokens that utilisation is measured against when
+    /// --des-kv-blocks is unset (otherwise blocks times block size).
+    #[arg(long, value_name = "TOKENS", help_heading = TIMING)]
+    timing_kv_tokens: Option<u64>,
     /// Step time: fixed cost per engine step, microseconds.
     #[arg(
         long,
@@ -282,6 +305,9 @@ pub(crate) struct RunArgs {
     quiet: bool,
 }
 
+/// The help heading of the timing flags.
+const TIMING: &str = "Timing (linear per engine step; fit your own)";
+
 const EXAMPLES: &str = "Examples:
   kvsim                                         the default fleet on a synthetic prefix pool
   kvsim --des-routing round_robin --des-kv-blocks 20000
@@ -290,6 +316,7 @@ const EXAMPLES: &str = "Examples:
   kvsim trace-stats conversation.jsonl
   kvsim sweep --param des-overlap-weight=0,0.5,1,2,4 --plot sweep.svg
   kvsim capacity --slo-ttft-ms 2000 --slo-itl-ms 50 --attainment 0.99 --des-num-requests 2000
+  kvsim calibrate --steps steps.csv               fit --timing-* to measured step times
   kvsim capacity --find instances --request-rate 40 --slo-ttft-ms 2000 --des-num-requests 2000";
 
 /// Each `SimConfig` setting (as the library's errors name it) and the flag that sets it.
@@ -313,6 +340,8 @@ pub(crate) const FLAGS: &[(&str, &str)] = &[
     ("timing.prefill_us_per_token", "--timing-prefill-us"),
     ("timing.decode_us_per_request", "--timing-decode-us"),
     ("timing.context_us_per_token", "--timing-context-us"),
+    ("timing_kind", "--timing"),
+    ("polynomial.kv_capacity_tokens", "--timing-kv-tokens"),
     ("routing", "--des-routing"),
     ("overlap_weight", "--des-overlap-weight"),
     ("prefix_aware_blocks", "--prefix-aware-blocks"),
@@ -412,6 +441,11 @@ fn defaults() -> Vec<(&'static str, String)> {
         ("timing_prefill_us", t.prefill_us_per_token.to_string()),
         ("timing_decode_us", t.decode_us_per_request.to_string()),
         ("timing_context_us", t.context_us_per_token.to_string()),
+        ("timing", d.timing_kind.to_string()),
+        (
+            "timing_kv_tokens",
+            d.polynomial.kv_capacity_tokens.to_string(),
+        ),
         ("des_routing", d.routing.to_string()),
         ("des_overlap_weight", d.overlap_weight.to_string()),
         ("prefix_aware_blocks", d.prefix_aware_blocks.to_string()),
@@ -473,6 +507,10 @@ fn parse_popularity(s: &str) -> Result<Popularity, String> {
 
 fn parse_policy(s: &str) -> Result<Policy, String> {
     s.parse::<Policy>().map_err(|e| e.to_string())
+}
+
+fn parse_timing_kind(s: &str) -> Result<TimingKind, String> {
+    s.parse().map_err(expected)
 }
 
 fn parse_trace_timing(s: &str) -> Result<TraceTiming, String> {
@@ -565,6 +603,11 @@ impl RunArgs {
             self.timing_prefill_us.unwrap_or(t.prefill_us_per_token),
             self.timing_decode_us.unwrap_or(t.decode_us_per_request),
             self.timing_context_us.unwrap_or(t.context_us_per_token),
+        );
+        set(&mut cfg.timing_kind, &self.timing);
+        set(
+            &mut cfg.polynomial.kv_capacity_tokens,
+            &self.timing_kv_tokens,
         );
         set(&mut cfg.routing, &self.des_routing);
         set(&mut cfg.overlap_weight, &self.des_overlap_weight);

@@ -284,3 +284,61 @@ fn capacity_refuses_bad_settings_in_one_line() {
         assert!(err.contains(needle), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn calibrate_prints_flags_a_run_accepts() {
+    // Steps of the default linear model (7050, 19.5, 25.4, 0.04) with +-1% deterministic noise.
+    let mut csv = String::from("prefill_tokens,decode_requests,context_tokens,step_us\n");
+    let mut s = 0x2545_f491_4f6c_dd1du64;
+    let mut next = |n: u64| {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s % n
+    };
+    for i in 0..3000u64 {
+        let p = if i % 3 == 1 { 0 } else { next(8192) };
+        let d = if i % 3 == 0 { 0 } else { 1 + next(255) };
+        let c = d * (64 + next(8000));
+        let t = (7050.0 + 19.5 * p as f64 + 25.4 * d as f64 + 0.04 * c as f64)
+            * (0.99 + next(2001) as f64 / 100_000.0);
+        csv.push_str(&format!("{p},{d},{c},{t:.1}\n"));
+    }
+    let path = std::env::temp_dir().join(format!("kvsim-steps-{}.csv", std::process::id()));
+    std::fs::write(&path, csv).unwrap();
+    let (code, out, err) = kvsim(&["calibrate", "--steps", path.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    let flags = out
+        .lines()
+        .find_map(|l| l.strip_prefix("  Flags: "))
+        .expect(&out);
+    let words: Vec<&str> = flags.split(' ').collect();
+    for (flag, want) in [
+        ("--timing-base-us", 7050.0),
+        ("--timing-prefill-us", 19.5),
+        ("--timing-decode-us", 25.4),
+        ("--timing-context-us", 0.04),
+    ] {
+        let i = words.iter().position(|w| *w == flag).expect(flag);
+        let got: f64 = words[i + 1].parse().unwrap();
+        assert!((got - want).abs() / want < 0.01, "{flag} {got}");
+    }
+    assert!(out.contains("Mean absolute percentage error 0."), "{out}");
+    let mut run = words.clone();
+    run.extend(["--des-num-requests", "10"]);
+    let (code, _, err) = kvsim(&run);
+    assert_eq!(code, 0, "{err}");
+    std::fs::write(
+        &path,
+        "prefill_tokens,decode_requests,context_tokens,step_us\n1,2,3,4\n5,x,6,7\n",
+    )
+    .unwrap();
+    let (code, out, err) = kvsim(&["calibrate", "--steps", path.to_str().unwrap()]);
+    assert_eq!((code, out.as_str()), (2, ""));
+    assert_eq!(err.lines().count(), 1);
+    assert!(
+        err.contains("--steps ") && err.contains(".csv:3: decode_requests \"x\""),
+        "{err}"
+    );
+    std::fs::remove_file(&path).ok();
+}

@@ -10,7 +10,7 @@ use kvroute::Policy;
 
 use crate::error::Error;
 use crate::slo::Slo;
-use crate::timing::LinearTiming;
+use crate::timing::{LinearTiming, PolynomialTiming, TimingKind};
 use crate::trace::{Trace, MAX_TOKENS};
 /// Engines per pool above this are refused.
 const MAX_ENGINES: usize = 1 << 16;
@@ -178,6 +178,12 @@ pub struct SimConfig {
     pub max_num_seqs: usize,
     /// The default timing model's coefficients (`--timing-*`).
     pub timing: LinearTiming,
+    /// Which timing model the engines use (`--timing`): `timing` or `polynomial`.
+    pub timing_kind: TimingKind,
+    /// The polynomial model's settings, used when `timing_kind` is `Polynomial`; its KV
+    /// capacity is replaced by `kv_blocks` times the block size when `kv_blocks` is set
+    /// (`--timing-kv-tokens`).
+    pub polynomial: PolynomialTiming,
     /// Routing policy (`--des-routing`).
     pub routing: Policy,
     /// The `kv` policy's overlap weight (`--des-overlap-weight`).
@@ -239,6 +245,8 @@ impl Default for SimConfig {
             max_batched_tokens: 8192,
             max_num_seqs: 256,
             timing: LinearTiming::default(),
+            timing_kind: TimingKind::Linear,
+            polynomial: PolynomialTiming::default(),
             routing: Policy::Kv,
             overlap_weight: 1.0,
             prefix_aware_blocks: 1,
@@ -276,6 +284,15 @@ impl SimConfig {
         self.num_requests = trace.requests().len();
         self.trace = Some(Arc::new(trace));
         self
+    }
+
+    /// The polynomial model as the engines use it: its KV capacity is the engines' when bounded.
+    pub fn polynomial_timing(&self) -> PolynomialTiming {
+        let mut p = self.polynomial;
+        if let Some(k) = self.kv_blocks {
+            p.kv_capacity_tokens = (k as u64).saturating_mul(self.block_size.get() as u64);
+        }
+        p
     }
 
     /// Whether prefill and decode run on separate pools.
@@ -440,6 +457,7 @@ impl SimConfig {
             }
         }
         self.timing.validate()?;
+        self.polynomial.validate()?;
         self.slo.validate()?;
         Ok(())
     }

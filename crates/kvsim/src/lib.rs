@@ -47,6 +47,7 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
+mod calibrate;
 mod config;
 mod engine;
 mod error;
@@ -61,6 +62,7 @@ mod timing;
 mod trace;
 mod workload;
 
+pub use calibrate::{fit_linear, load_steps, parse_steps, LinearFit, StepSample, STEPS_HEADER};
 pub use config::{ArrivalModel, Popularity, SimConfig, TraceTiming};
 pub use engine::{Engine, EngineConfig, EngineRequest, Outcome, PlannedStep, Pool};
 pub use error::{Error, TraceError};
@@ -72,5 +74,5 @@ pub use requests::{
 pub use sim::Simulation;
 pub use slo::{Slo, SloReport};
 pub use stats::Summary;
-pub use timing::{LinearTiming, StepShape, TimingModel};
+pub use timing::{LinearTiming, PolynomialTiming, StepShape, TimingKind, TimingModel};
 pub use trace::{Lengths, Trace, TraceRequest, TraceStats, MAX_TOKENS};

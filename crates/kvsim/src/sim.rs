@@ -12,7 +12,7 @@ use crate::engine::{EngineRequest, Outcome, Pool};
 use crate::error::Error;
 use crate::fleet::Fleet;
 use crate::report::{EngineRecord, Records, Report, RequestRecord};
-use crate::timing::TimingModel;
+use crate::timing::{TimingKind, TimingModel};
 use crate::workload::{RequestSpec, Workload};
 
 /// A configured simulation. [`run`](Self::run) may be called any number of times and gives the
@@ -42,10 +42,13 @@ impl std::fmt::Debug for Simulation {
 }
 
 impl Simulation {
-    /// Validates `cfg` and prepares a run with its linear timing model.
+    /// Validates `cfg` and prepares a run with its timing model (`cfg.timing_kind`).
     pub fn new(cfg: SimConfig) -> Result<Self, Error> {
         cfg.validate()?;
-        let timing = Arc::new(cfg.timing);
+        let timing: Arc<dyn TimingModel> = match cfg.timing_kind {
+            TimingKind::Polynomial => Arc::new(cfg.polynomial_timing()),
+            _ => Arc::new(cfg.timing),
+        };
         Ok(Simulation { cfg, timing })
     }
 
