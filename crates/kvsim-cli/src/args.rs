@@ -7,7 +7,8 @@ use std::path::PathBuf;
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use kvblock::BlockSize;
 use kvsim::{
-    ArrivalModel, LinearTiming, Policy, Popularity, SimConfig, Slo, TimingKind, Trace, TraceTiming,
+    ArrivalModel, KvAllocation, LinearTiming, Policy, Popularity, SimConfig, Slo, TimingKind,
+    Trace, TraceTiming,
 };
 
 /// Simulate a fleet of LLM engine replicas behind a KV-cache-aware router.
@@ -197,6 +198,12 @@ pub(crate) struct RunArgs {
     /// Running requests per engine.
     #[arg(long, value_name = "N", help_heading = "Fleet")]
     max_num_seqs: Option<usize>,
+    /// KV allocation: reserve (a request's prompt and output blocks at admission) or
+    /// incremental (as vLLM: the prompt's at admission, then a block at a time as it decodes;
+    /// when none is free the newest request is preempted and later recomputes; the report
+    /// counts preemptions and recomputed tokens).
+    #[arg(long, value_parser = parse_kv_allocation, value_name = "MODE", help_heading = "Fleet")]
+    kv_allocation: Option<KvAllocation>,
     /// Step-time model: linear (the --timing-* coefficients) or polynomial (NVIDIA Dynamo
     /// mocker's: prefill quadratic in new tokens, decode quadratic in KV utilisation; see
     /// kvsim::PolynomialTiming).
@@ -336,6 +343,7 @@ pub(crate) const FLAGS: &[(&str, &str)] = &[
     ("kv_blocks", "--des-kv-blocks"),
     ("max_batched_tokens", "--max-batched-tokens"),
     ("max_num_seqs", "--max-num-seqs"),
+    ("kv_allocation", "--kv-allocation"),
     ("timing.base_us", "--timing-base-us"),
     ("timing.prefill_us_per_token", "--timing-prefill-us"),
     ("timing.decode_us_per_request", "--timing-decode-us"),
@@ -437,6 +445,7 @@ fn defaults() -> Vec<(&'static str, String)> {
         ("des_instances", d.instances.to_string()),
         ("max_batched_tokens", d.max_batched_tokens.to_string()),
         ("max_num_seqs", d.max_num_seqs.to_string()),
+        ("kv_allocation", d.kv_allocation.to_string()),
         ("timing_base_us", t.base_us.to_string()),
         ("timing_prefill_us", t.prefill_us_per_token.to_string()),
         ("timing_decode_us", t.decode_us_per_request.to_string()),
@@ -507,6 +516,10 @@ fn parse_popularity(s: &str) -> Result<Popularity, String> {
 
 fn parse_policy(s: &str) -> Result<Policy, String> {
     s.parse::<Policy>().map_err(|e| e.to_string())
+}
+
+fn parse_kv_allocation(s: &str) -> Result<KvAllocation, String> {
+    s.parse().map_err(expected)
 }
 
 fn parse_timing_kind(s: &str) -> Result<TimingKind, String> {
@@ -597,6 +610,7 @@ impl RunArgs {
         set(&mut cfg.routers, &self.des_routers);
         set(&mut cfg.max_batched_tokens, &self.max_batched_tokens);
         set(&mut cfg.max_num_seqs, &self.max_num_seqs);
+        set(&mut cfg.kv_allocation, &self.kv_allocation);
         let t = cfg.timing;
         cfg.timing = LinearTiming::new(
             self.timing_base_us.unwrap_or(t.base_us),

@@ -86,6 +86,7 @@ fn bad_flags_exit_2_with_one_line_naming_the_flag() {
         (&["--des-prefix-len", "9000"][..], "--des-prefix-len"),
         (&["--format", "xml"][..], "--format"),
         (&["--slo-ttft-ms", "0"][..], "--slo-ttft-ms"),
+        (&["--kv-allocation", "lazy"][..], "reserve or incremental"),
         (&["--slo-itl-ms", "abc"][..], "--slo-itl-ms"),
         (&["--no-such-flag"][..], "--no-such-flag"),
     ] {
@@ -341,4 +342,49 @@ fn calibrate_prints_flags_a_run_accepts() {
         "{err}"
     );
     std::fs::remove_file(&path).ok();
+}
+
+#[test]
+fn incremental_allocation_counts_preemptions() {
+    let small = [
+        "--des-kv-blocks",
+        "300",
+        "--request-rate",
+        "20",
+        "--des-num-requests",
+        "200",
+        "--input-len",
+        "256",
+        "--des-prefix-len",
+        "128",
+        "--output-len",
+        "1024",
+    ];
+    let mut args = small.to_vec();
+    args.extend(["--kv-allocation", "incremental"]);
+    let (code, out, err) = kvsim(&args);
+    assert_eq!(code, 0, "{err}");
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("  Preemptions (incremental KV allocation): "))
+        .expect(&out);
+    let n: u64 = line
+        .split(": ")
+        .nth(1)
+        .unwrap()
+        .split(',')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(n > 0, "{line}");
+    args.extend(["--format", "json"]);
+    let (_, out, _) = kvsim(&args);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["preemptions"].as_u64(), Some(n));
+    assert!(v["recomputed_tokens"].as_u64().unwrap() > 0);
+    let mut reserve = small.to_vec();
+    reserve.extend(["--format", "json"]);
+    let (_, out, _) = kvsim(&reserve);
+    assert!(!out.contains("preemptions") && !out.contains("recomputed_tokens"));
 }

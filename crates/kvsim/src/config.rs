@@ -8,6 +8,7 @@ use std::sync::Arc;
 use kvblock::BlockSize;
 use kvroute::Policy;
 
+use crate::engine::KvAllocation;
 use crate::error::Error;
 use crate::slo::Slo;
 use crate::timing::{LinearTiming, PolynomialTiming, TimingKind};
@@ -176,6 +177,9 @@ pub struct SimConfig {
     pub max_batched_tokens: usize,
     /// Running requests per engine (`--max-num-seqs`).
     pub max_num_seqs: usize,
+    /// Reserve each request's blocks at admission, or allocate them as it decodes and preempt
+    /// the newest request when none is free (`--kv-allocation`).
+    pub kv_allocation: KvAllocation,
     /// The default timing model's coefficients (`--timing-*`).
     pub timing: LinearTiming,
     /// Which timing model the engines use (`--timing`): `timing` or `polynomial`.
@@ -244,6 +248,7 @@ impl Default for SimConfig {
             kv_blocks: None,
             max_batched_tokens: 8192,
             max_num_seqs: 256,
+            kv_allocation: KvAllocation::Reserve,
             timing: LinearTiming::default(),
             timing_kind: TimingKind::Linear,
             polynomial: PolynomialTiming::default(),

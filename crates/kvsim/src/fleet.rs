@@ -106,6 +106,7 @@ impl Fleet {
             c.kv_blocks = cfg.kv_blocks;
             c.max_batched_tokens = cfg.max_batched_tokens;
             c.max_num_seqs = cfg.max_num_seqs;
+            c.kv_allocation = cfg.kv_allocation;
             Engine::with_shared_timing(c, Arc::clone(timing))
         };
         let (engines, routers, decode_routers): (Vec<Engine>, _, _) =

@@ -64,7 +64,7 @@ mod workload;
 
 pub use calibrate::{fit_linear, load_steps, parse_steps, LinearFit, StepSample, STEPS_HEADER};
 pub use config::{ArrivalModel, Popularity, SimConfig, TraceTiming};
-pub use engine::{Engine, EngineConfig, EngineRequest, Outcome, PlannedStep, Pool};
+pub use engine::{Engine, EngineConfig, EngineRequest, KvAllocation, Outcome, PlannedStep, Pool};
 pub use error::{Error, TraceError};
 pub use kvroute::Policy;
 pub use report::{InstanceReport, PdReport, PoolReport, Report, HOT_SPOT_THRESHOLD};

@@ -7,6 +7,7 @@ use serde::Serialize;
 use kvroute::Policy;
 
 use crate::config::SimConfig;
+use crate::engine::KvAllocation;
 use crate::engine::Pool;
 use crate::slo::SloReport;
 use crate::stats::{ratio, Summary};
@@ -45,6 +46,8 @@ pub(crate) struct EngineRecord {
     pub(crate) evictions: u64,
     pub(crate) resident_blocks: usize,
     pub(crate) busy_us: u64,
+    pub(crate) preemptions: u64,
+    pub(crate) recomputed_tokens: u64,
 }
 
 /// Everything a finished run hands the report.
@@ -190,6 +193,13 @@ pub struct Report {
     /// target is set.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub slo: Option<SloReport>,
+    /// With incremental KV allocation: requests preempted (all engines); absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub preemptions: Option<u64>,
+    /// With incremental KV allocation: prefill tokens computed again by preempted requests
+    /// when scheduled again (their prompt and produced tokens, less what was still cached).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub recomputed_tokens: Option<u64>,
 }
 
 impl Report {
@@ -291,6 +301,7 @@ impl Report {
         let cached: usize = done.iter().map(|r| r.hits).sum();
         let outputs: usize = done.iter().map(|r| r.output).sum();
         let mut itl = c.itl;
+        let incremental = cfg.kv_allocation == KvAllocation::Incremental;
         let slo = cfg
             .slo
             .is_set()
@@ -325,6 +336,9 @@ impl Report {
             per_instance: per,
             pd,
             slo,
+            preemptions: incremental.then(|| c.engines.iter().map(|e| e.preemptions).sum()),
+            recomputed_tokens: incremental
+                .then(|| c.engines.iter().map(|e| e.recomputed_tokens).sum()),
         }
     }
 
@@ -417,6 +431,12 @@ impl Report {
         }
         if let Some(slo) = &self.slo {
             s.push_str(&slo.to_text());
+        }
+        if let (Some(p), Some(t)) = (self.preemptions, self.recomputed_tokens) {
+            let _ = writeln!(
+                s,
+                "  Preemptions (incremental KV allocation): {p}, {t} prefill tokens recomputed"
+            );
         }
         let (min_r, max_r) = self
             .per_instance

@@ -221,6 +221,8 @@ pub fn measured_report(
             evictions: 0,
             resident_blocks: 0,
             busy_us: 0,
+            preemptions: 0,
+            recomputed_tokens: 0,
         }],
         itl: itl_us.iter().map(|&g| (g, 1)).collect(),
         router_errors: 0,

@@ -813,6 +813,8 @@ impl<'a> Run<'a> {
                     evictions: e.cache().stats().evictions,
                     resident_blocks: e.cache().len(),
                     busy_us: e.busy_us(),
+                    preemptions: e.preemptions(),
+                    recomputed_tokens: e.recomputed_tokens(),
                 })
                 .collect(),
             inconsistent_inserts: engines.iter().map(|e| e.inconsistent_inserts()).sum(),
@@ -827,6 +829,7 @@ impl<'a> Run<'a> {
 mod tests {
     use super::*;
     use crate::config::ArrivalModel;
+    use crate::engine::KvAllocation;
     use crate::timing::LinearTiming;
     use kvblock::BlockSize;
     use kvroute::Policy;
@@ -921,7 +924,8 @@ mod tests {
                           arrivals in prop::sample::select(vec![ArrivalModel::Constant, ArrivalModel::Poisson]),
                           rate in prop::sample::select(vec![10.0f64, 50.0, 200.0, 1000.0]),
                           timing in prop::sample::select(vec![(1000.0, 1.0, 0.0, 0.0), (1000.0, 0.0, 500.0, 0.0), (7050.0, 19.5, 25.4, 0.04), (2000.0, 2.0, 0.0, 1.0)]),
-                          input in 1usize..600, output in 1usize..60, seqs in 1usize..6, seed in 0u64..1000) {
+                          input in 1usize..600, output in 1usize..60, seqs in 1usize..6,
+                          (seed, incremental) in (0u64..1000, any::<bool>())) {
             let cfg = SimConfig {
                 instances,
                 prefill_instances: pd.map(|p| p.0),
@@ -942,6 +946,7 @@ mod tests {
                 num_requests: 80,
                 request_rate: rate,
                 seed,
+                kv_allocation: if incremental { KvAllocation::Incremental } else { KvAllocation::Reserve },
                 ..SimConfig::default()
             };
             cfg.validate().unwrap();
@@ -957,14 +962,16 @@ mod tests {
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(64))]
-        /// Whatever the settings: every request completes or is rejected, nothing stays pinned
-        /// or reserved, every router replica ends with no load, and its view of each engine of
-        /// its pool equals that engine's cache.
+        /// Whatever the settings (incremental allocation and its preemptions included): every
+        /// request completes or is rejected, nothing stays pinned or reserved, every router
+        /// replica ends with no load, and its view of each engine of its pool equals that
+        /// engine's cache.
         #[test]
         fn runs_end_clean(instances in 1usize..5, pd in prop::option::of((1usize..3, 1usize..3)), routers in 1usize..4,
                           kv in prop::option::of(4usize..60), bs in prop::sample::select(vec![16usize, 64, 256]),
                           policy in prop::sample::select(Policy::ALL.to_vec()), delay in prop::sample::select(vec![0u64, 5_000]),
-                          input in 1usize..3000, output in 1usize..40, seqs in 1usize..8, seed in 0u64..1000) {
+                          input in 1usize..3000, output in 1usize..40, seqs in 1usize..8,
+                          (seed, incremental) in (0u64..1000, any::<bool>())) {
             let cfg = SimConfig {
                 instances,
                 prefill_instances: pd.map(|p| p.0),
@@ -983,6 +990,7 @@ mod tests {
                 num_requests: 60,
                 request_rate: 40.0,
                 seed,
+                kv_allocation: if incremental { KvAllocation::Incremental } else { KvAllocation::Reserve },
                 ..SimConfig::default()
             };
             cfg.validate().unwrap();
