@@ -170,7 +170,25 @@ pub(crate) struct RunArgs {
     #[arg(long, value_name = "TOKENS", help_heading = "Synthetic content")]
     output_len: Option<usize>,
 
-    /// Replay this Mooncake-format JSONL trace instead of the synthetic prefix pool.
+    /// Synthetic chat sessions instead of single requests: N sessions start at the arrival
+    /// model's times (--request-rate sessions/s), each with a pool prefix and
+    /// input-len - des-prefix-len new tokens; every later turn is sent --think-ms after the
+    /// previous one finished, its prompt that prompt + its answer + new tokens.
+    #[arg(long, value_name = "N", help_heading = "Sessions and closed loops")]
+    sessions: Option<usize>,
+    /// Turns per synthetic session.
+    #[arg(long, value_name = "T", help_heading = "Sessions and closed loops")]
+    turns: Option<usize>,
+    /// Think time between a synthetic turn's end and the next turn, milliseconds.
+    #[arg(long, value_name = "MS", help_heading = "Sessions and closed loops")]
+    think_ms: Option<f64>,
+    /// Closed loop: keep N requests in flight, sending the next as soon as one finishes
+    /// (arrival times and trace timestamps ignored; sessions keep their order).
+    #[arg(long, value_name = "N", help_heading = "Sessions and closed loops")]
+    concurrency: Option<usize>,
+
+    /// Replay this Mooncake-format JSONL trace instead of the synthetic prefix pool (lines
+    /// with session_id and think_time_ms replay as multi-turn sessions).
     #[arg(long, value_name = "FILE", help_heading = "Trace replay")]
     trace: Option<PathBuf>,
     /// Tokens per block of the trace's hash ids.
@@ -364,6 +382,10 @@ pub(crate) const FLAGS: &[(&str, &str)] = &[
     ("routers", "--des-routers"),
     ("trace_speedup", "--trace-speedup"),
     ("trace_timing", "--trace-timing"),
+    ("sessions", "--sessions"),
+    ("turns", "--turns"),
+    ("think_us", "--think-ms"),
+    ("concurrency", "--concurrency"),
     ("slo.ttft_ms", "--slo-ttft-ms"),
     ("slo.itl_ms", "--slo-itl-ms"),
     ("slo.e2e_ms", "--slo-e2e-ms"),
@@ -436,6 +458,8 @@ fn defaults() -> Vec<(&'static str, String)> {
         ("prefix_popularity", d.prefix_popularity.to_string()),
         ("input_len", d.input_len.to_string()),
         ("output_len", d.output_len.to_string()),
+        ("turns", d.turns.to_string()),
+        ("think_ms", (d.think_us as f64 / 1000.0).to_string()),
         ("trace_speedup", d.trace_speedup.to_string()),
         ("trace_timing", d.trace_timing.to_string()),
         (
@@ -573,6 +597,21 @@ impl RunArgs {
                 *field = v.clone();
             }
         }
+        if let Some(ms) = self.think_ms {
+            if !(ms.is_finite() && (0.0..=1e9).contains(&ms)) {
+                return Err(format!(
+                    "invalid --think-ms {ms}: expected a number of milliseconds from 0 to 1e9"
+                ));
+            }
+            cfg.think_us = (ms * 1000.0).round() as u64;
+        }
+        if self.sessions.is_some() {
+            cfg.sessions = self.sessions;
+        }
+        if self.concurrency.is_some() {
+            cfg.concurrency = self.concurrency;
+        }
+        set(&mut cfg.turns, &self.turns);
         set(&mut cfg.num_requests, &self.des_num_requests);
         set(&mut cfg.request_rate, &self.request_rate);
         set(&mut cfg.arrival_model, &self.arrival_model);

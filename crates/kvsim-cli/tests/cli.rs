@@ -87,6 +87,9 @@ fn bad_flags_exit_2_with_one_line_naming_the_flag() {
         (&["--format", "xml"][..], "--format"),
         (&["--slo-ttft-ms", "0"][..], "--slo-ttft-ms"),
         (&["--kv-allocation", "lazy"][..], "reserve or incremental"),
+        (&["--concurrency", "0"][..], "--concurrency"),
+        (&["--think-ms", "-5", "--sessions", "3"][..], "--think-ms"),
+        (&["--turns", "3"][..], "--turns"),
         (&["--slo-itl-ms", "abc"][..], "--slo-itl-ms"),
         (&["--no-such-flag"][..], "--no-such-flag"),
     ] {
@@ -108,6 +111,17 @@ fn help_explains_and_exits_0() {
         "--arrival-cv",
         "--timing-base-us",
         "--format",
+    ] {
+        assert!(out.contains(flag), "--help lacks {flag}");
+    }
+    for flag in [
+        "--sessions",
+        "--turns",
+        "--think-ms",
+        "--concurrency",
+        "--kv-allocation",
+        "--timing <MODEL>",
+        "--slo-e2e-ms",
     ] {
         assert!(out.contains(flag), "--help lacks {flag}");
     }
@@ -387,4 +401,47 @@ fn incremental_allocation_counts_preemptions() {
     reserve.extend(["--format", "json"]);
     let (_, out, _) = kvsim(&reserve);
     assert!(!out.contains("preemptions") && !out.contains("recomputed_tokens"));
+}
+
+#[test]
+fn sessions_report_per_turn_hits_and_concurrency_runs() {
+    let (code, out, err) = kvsim(&[
+        "--sessions",
+        "40",
+        "--turns",
+        "3",
+        "--think-ms",
+        "500",
+        "--request-rate",
+        "4",
+        "--des-block-size",
+        "64",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("  Fleet: 4 instance(s), routing=kv | 40 sessions x 3 turns, think 500 ms, prefix pool: 8 prefixes\n"), "{out}");
+    assert!(out.contains("  Requests: 120 completed"), "{out}");
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("  Per turn: turn 1 hit rate "))
+        .expect(&out);
+    assert!(
+        line.contains("(40 requests) | later turns hit rate ") && line.ends_with("(80 requests)"),
+        "{line}"
+    );
+    let (code, out, err) = kvsim(&[
+        "--concurrency",
+        "4",
+        "--des-num-requests",
+        "40",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["completed"], 40);
+    assert!(v["content"]
+        .as_str()
+        .unwrap()
+        .ends_with(", closed loop at concurrency 4"));
+    assert!(v.get("turns").is_none());
 }

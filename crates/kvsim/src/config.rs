@@ -225,6 +225,22 @@ pub struct SimConfig {
     pub trace_speedup: f64,
     /// Keep the trace's timestamps or re-time arrivals (`--trace-timing`).
     pub trace_timing: TraceTiming,
+    /// Synthetic multi-turn conversations (`--sessions`): this many sessions of `turns` turns
+    /// replace the single-turn requests (`num_requests` is then unused). A session starts at
+    /// an arrival of the arrival model (at `request_rate` sessions per second) with a prefix
+    /// of the pool and `input_len - prefix_len` new tokens; each later turn is sent
+    /// `think_us` after the previous one finished, its prompt the previous prompt, its answer
+    /// (`output_len` tokens) and `input_len - prefix_len` new tokens, so prefixes grow as in
+    /// a chat.
+    pub sessions: Option<usize>,
+    /// Turns per synthetic session (`--turns`).
+    pub turns: usize,
+    /// Think time between a synthetic turn's end and the next turn, µs (`--think-ms` × 1000).
+    pub think_us: u64,
+    /// Closed loop at a fixed concurrency (`--concurrency`): this many requests in flight,
+    /// a new one sent as soon as one finishes (or is rejected), arrival times and trace
+    /// timestamps ignored; sessions keep their turn order and think times.
+    pub concurrency: Option<usize>,
     /// Latency targets; when any is set the report adds their attainment and the goodput
     /// (`--slo-ttft-ms`, `--slo-itl-ms`, `--slo-e2e-ms`).
     pub slo: Slo,
@@ -268,6 +284,10 @@ impl Default for SimConfig {
             trace_speedup: 1.0,
             trace_timing: TraceTiming::Keep,
             slo: Slo::default(),
+            sessions: None,
+            turns: 1,
+            think_us: 0,
+            concurrency: None,
         }
     }
 }
@@ -300,6 +320,14 @@ impl SimConfig {
         p
     }
 
+    /// Whether requests are sent in a closed loop (sessions, a trace with `session_id`s, or a
+    /// fixed concurrency) rather than at their arrival times.
+    pub fn closed_loop(&self) -> bool {
+        self.sessions.is_some()
+            || self.concurrency.is_some()
+            || self.trace.as_ref().is_some_and(|t| t.has_sessions())
+    }
+
     /// Whether prefill and decode run on separate pools.
     pub fn disaggregated(&self) -> bool {
         self.prefill_instances.is_some() || self.decode_instances.is_some()
@@ -314,8 +342,12 @@ impl SimConfig {
         }
     }
 
-    /// Requests a run simulates: `num_requests`, or fewer when the trace is shorter.
+    /// Requests a run simulates: `num_requests`, or fewer when the trace is shorter, or
+    /// sessions times turns.
     pub fn request_count(&self) -> usize {
+        if let Some(n) = self.sessions {
+            return n.saturating_mul(self.turns);
+        }
         match &self.trace {
             Some(t) => self.num_requests.min(t.requests().len()),
             None => self.num_requests,
@@ -464,6 +496,46 @@ impl SimConfig {
         self.timing.validate()?;
         self.polynomial.validate()?;
         self.slo.validate()?;
+        if let Some(n) = self.sessions {
+            at_least_one("sessions", n)?;
+            at_most("sessions", n, 1 << 20)?;
+            if self.trace.is_some() {
+                return Err(Error::invalid(
+                    "sessions",
+                    n,
+                    "no trace: a trace brings its own sessions (session_id)",
+                ));
+            }
+        } else if self.turns != 1 || self.think_us != 0 {
+            let (setting, v) = if self.turns != 1 {
+                ("turns", self.turns.to_string())
+            } else {
+                ("think_us", self.think_us.to_string())
+            };
+            return Err(Error::invalid(
+                setting,
+                v,
+                "sessions set (they describe synthetic sessions)",
+            ));
+        }
+        at_least_one("turns", self.turns)?;
+        at_most("turns", self.turns, 4096)?;
+        if self.sessions.is_some() {
+            let grow = self.output_len + self.input_len.saturating_sub(self.prefix_len);
+            let last = self.input_len + (self.turns - 1).saturating_mul(grow);
+            if last > MAX_TOKENS {
+                return Err(Error::invalid(
+                    "turns",
+                    self.turns,
+                    format!(
+                        "few enough that the last prompt ({last} tokens) stays within {MAX_TOKENS}"
+                    ),
+                ));
+            }
+        }
+        if let Some(n) = self.concurrency {
+            at_least_one("concurrency", n)?;
+        }
         Ok(())
     }
 }

@@ -67,7 +67,9 @@ pub use config::{ArrivalModel, Popularity, SimConfig, TraceTiming};
 pub use engine::{Engine, EngineConfig, EngineRequest, KvAllocation, Outcome, PlannedStep, Pool};
 pub use error::{Error, TraceError};
 pub use kvroute::Policy;
-pub use report::{InstanceReport, PdReport, PoolReport, Report, HOT_SPOT_THRESHOLD};
+pub use report::{
+    InstanceReport, PdReport, PoolReport, Report, TurnReport, TurnsReport, HOT_SPOT_THRESHOLD,
+};
 pub use requests::{
     measured_report, workload_requests, MeasuredRequest, PromptContent, WorkloadRequest,
 };

@@ -37,6 +37,8 @@ pub(crate) struct RequestRecord {
     pub(crate) first_token: u64,
     pub(crate) finish: u64,
     pub(crate) rejected: bool,
+    /// Its turn in its session, from 1 (1 in an open-loop run).
+    pub(crate) turn: u32,
 }
 
 /// What the simulator hands the report about one engine.
@@ -126,6 +128,74 @@ pub struct PdReport {
     pub transfer_ms: Summary,
 }
 
+/// Cache hits of the requests of some turns of their sessions (completed requests).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct TurnReport {
+    /// Completed requests.
+    pub requests: usize,
+    /// Share of them with at least one cached block.
+    pub request_hit_rate: f64,
+    /// Cached prompt blocks over all their full prompt blocks.
+    pub block_reuse: f64,
+    /// Mean cached prompt tokens per request.
+    pub avg_cached_tokens: f64,
+}
+
+/// Cache hits by turn of a multi-turn run: the first turns against the later ones, whose
+/// prompts extend a previous turn's.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct TurnsReport {
+    /// First turns.
+    pub first: TurnReport,
+    /// Every later turn.
+    pub later: TurnReport,
+    /// Turn 1, 2, ... in order.
+    pub by_turn: Vec<TurnReport>,
+}
+
+impl TurnsReport {
+    fn build(done: &[&RequestRecord], bs: usize) -> Self {
+        let of = |keep: &dyn Fn(u32) -> bool| {
+            let mine: Vec<&&RequestRecord> = done.iter().filter(|r| keep(r.turn)).collect();
+            let cached: usize = mine.iter().map(|r| r.hits).sum();
+            let prompt: usize = mine.iter().map(|r| r.prompt_blocks).sum();
+            TurnReport {
+                requests: mine.len(),
+                request_hit_rate: ratio(
+                    mine.iter().filter(|r| r.hits > 0).count() as f64,
+                    mine.len() as f64,
+                ),
+                block_reuse: ratio(cached as f64, prompt as f64),
+                avg_cached_tokens: ratio((cached * bs) as f64, mine.len() as f64),
+            }
+        };
+        let last = done.iter().map(|r| r.turn).max().unwrap_or(1);
+        TurnsReport {
+            first: of(&|t| t == 1),
+            later: of(&|t| t > 1),
+            by_turn: (1..=last).map(|k| of(&|t| t == k)).collect(),
+        }
+    }
+
+    fn to_text(&self) -> String {
+        let part = |name: &str, t: &TurnReport| {
+            format!(
+                "{name} hit rate {:.1}%, block-reuse {:.1}% ({} requests)",
+                t.request_hit_rate * 100.0,
+                t.block_reuse * 100.0,
+                t.requests
+            )
+        };
+        format!(
+            "  Per turn: {} | {}\n",
+            part("turn 1", &self.first),
+            part("later turns", &self.later)
+        )
+    }
+}
+
 /// The result of a run. The text form ([`to_text`](Self::to_text)) starts with the source
 /// document's three lines; the JSON form ([`to_json`](Self::to_json)) has every field below
 /// under the same name, with times in the unit its name ends with.
@@ -200,6 +270,10 @@ pub struct Report {
     /// when scheduled again (their prompt and produced tokens, less what was still cached).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub recomputed_tokens: Option<u64>,
+    /// Multi-turn runs (synthetic sessions, a trace with sessions): cache hits by turn;
+    /// absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub turns: Option<TurnsReport>,
 }
 
 impl Report {
@@ -302,6 +376,7 @@ impl Report {
         let outputs: usize = done.iter().map(|r| r.output).sum();
         let mut itl = c.itl;
         let incremental = cfg.kv_allocation == KvAllocation::Incremental;
+        let turns = cfg.sessions.is_some() || cfg.trace.as_ref().is_some_and(|t| t.has_sessions());
         let slo = cfg
             .slo
             .is_set()
@@ -339,6 +414,7 @@ impl Report {
             preemptions: incremental.then(|| c.engines.iter().map(|e| e.preemptions).sum()),
             recomputed_tokens: incremental
                 .then(|| c.engines.iter().map(|e| e.recomputed_tokens).sum()),
+            turns: turns.then(|| TurnsReport::build(&done, bs)),
         }
     }
 
@@ -431,6 +507,9 @@ impl Report {
         }
         if let Some(slo) = &self.slo {
             s.push_str(&slo.to_text());
+        }
+        if let Some(t) = &self.turns {
+            s.push_str(&t.to_text());
         }
         if let (Some(p), Some(t)) = (self.preemptions, self.recomputed_tokens) {
             let _ = writeln!(

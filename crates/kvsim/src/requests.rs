@@ -214,6 +214,7 @@ pub fn measured_report(
                 first_token: m.first_token_us.max(m.arrival_us),
                 finish: m.finish_us.max(m.first_token_us).max(m.arrival_us),
                 rejected: m.failed,
+                turn: 1,
             })
             .collect(),
         engines: vec![EngineRecord {

@@ -185,6 +185,7 @@ mod tests {
             first_token: first,
             finish,
             rejected,
+            turn: 1,
         }
     }
 
