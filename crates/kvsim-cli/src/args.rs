@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use kvblock::BlockSize;
 use kvsim::{
-    ArrivalModel, KvAllocation, LinearTiming, Policy, Popularity, SimConfig, Slo, TimingKind,
-    Trace, TraceTiming,
+    ArrivalModel, KvAllocation, LinearTiming, PdLink, Policy, Popularity, SimConfig, Slo,
+    TimingKind, Trace, TraceTiming,
 };
 
 /// Simulate a fleet of LLM engine replicas behind a KV-cache-aware router.
@@ -295,6 +295,10 @@ pub(crate) struct RunArgs {
         help_heading = "Disaggregated prefill/decode"
     )]
     pd_transfer_gbps: Option<f64>,
+    /// per-transfer: every KV transfer gets the whole --pd-transfer-gbps; shared: the transfers
+    /// leaving one prefill engine share it equally.
+    #[arg(long, value_parser = parse_pd_link, value_name = "MODE", help_heading = "Disaggregated prefill/decode")]
+    pd_link: Option<PdLink>,
     /// Fixed latency of each KV transfer, microseconds.
     #[arg(long, value_name = "US", help_heading = "Disaggregated prefill/decode")]
     pd_transfer_latency_us: Option<u64>,
@@ -378,6 +382,7 @@ pub(crate) const FLAGS: &[(&str, &str)] = &[
     ("decode_overlap_weight", "--kv-decode-overlap-weight"),
     ("pd_transfer_gbps", "--pd-transfer-gbps"),
     ("pd_transfer_latency_us", "--pd-transfer-latency-us"),
+    ("pd_link", "--pd-link"),
     ("kv_bytes_per_token", "--kv-bytes-per-token"),
     ("routers", "--des-routers"),
     ("trace_speedup", "--trace-speedup"),
@@ -493,6 +498,7 @@ fn defaults() -> Vec<(&'static str, String)> {
             d.pd_transfer_latency_us.to_string(),
         ),
         ("kv_bytes_per_token", d.kv_bytes_per_token.to_string()),
+        ("pd_link", d.pd_link.to_string()),
     ]
 }
 
@@ -540,6 +546,10 @@ fn parse_popularity(s: &str) -> Result<Popularity, String> {
 
 fn parse_policy(s: &str) -> Result<Policy, String> {
     s.parse::<Policy>().map_err(|e| e.to_string())
+}
+
+fn parse_pd_link(s: &str) -> Result<PdLink, String> {
+    s.parse().map_err(expected)
 }
 
 fn parse_kv_allocation(s: &str) -> Result<KvAllocation, String> {
@@ -646,6 +656,7 @@ impl RunArgs {
             &self.pd_transfer_latency_us,
         );
         set(&mut cfg.kv_bytes_per_token, &self.kv_bytes_per_token);
+        set(&mut cfg.pd_link, &self.pd_link);
         set(&mut cfg.routers, &self.des_routers);
         set(&mut cfg.max_batched_tokens, &self.max_batched_tokens);
         set(&mut cfg.max_num_seqs, &self.max_num_seqs);

@@ -88,6 +88,7 @@ fn bad_flags_exit_2_with_one_line_naming_the_flag() {
         (&["--slo-ttft-ms", "0"][..], "--slo-ttft-ms"),
         (&["--kv-allocation", "lazy"][..], "reserve or incremental"),
         (&["--concurrency", "0"][..], "--concurrency"),
+        (&["--pd-link", "fair"][..], "per-transfer or shared"),
         (&["--think-ms", "-5", "--sessions", "3"][..], "--think-ms"),
         (&["--turns", "3"][..], "--turns"),
         (&["--slo-itl-ms", "abc"][..], "--slo-itl-ms"),
@@ -120,6 +121,7 @@ fn help_explains_and_exits_0() {
         "--think-ms",
         "--concurrency",
         "--kv-allocation",
+        "--pd-link",
         "--timing <MODEL>",
         "--slo-e2e-ms",
     ] {

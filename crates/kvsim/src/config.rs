@@ -98,6 +98,39 @@ impl FromStr for Popularity {
     }
 }
 
+/// How concurrent prefill-to-decode KV transfers use bandwidth.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum PdLink {
+    /// Every transfer gets the whole `pd_transfer_gbps`, however many run at once.
+    #[default]
+    PerTransfer,
+    /// The transfers leaving one prefill engine share its `pd_transfer_gbps` equally (each of
+    /// `k` concurrent ones gets `1/k`, recomputed whenever one starts or ends); the fixed
+    /// latency follows each transfer's last bit.
+    Shared,
+}
+
+impl fmt::Display for PdLink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            PdLink::PerTransfer => "per-transfer",
+            PdLink::Shared => "shared",
+        })
+    }
+}
+
+impl FromStr for PdLink {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s {
+            "per-transfer" => Ok(PdLink::PerTransfer),
+            "shared" => Ok(PdLink::Shared),
+            _ => Err(Error::invalid("pd_link", s, "per-transfer or shared")),
+        }
+    }
+}
+
 /// How a trace's requests are timed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
@@ -212,6 +245,8 @@ pub struct SimConfig {
     pub pd_transfer_gbps: f64,
     /// Fixed latency of a prefill-to-decode transfer, microseconds (`--pd-transfer-latency-us`).
     pub pd_transfer_latency_us: u64,
+    /// Whether concurrent transfers from one prefill engine share its link (`--pd-link`).
+    pub pd_link: PdLink,
     /// KV cache bytes per token (`--kv-bytes-per-token`; 131,072 is an 8B model with
     /// grouped-query attention in 16-bit: 32 layers x 8 KV heads x 128 dims x 2 (K, V) x 2 bytes).
     pub kv_bytes_per_token: u64,
@@ -278,6 +313,7 @@ impl Default for SimConfig {
             decode_overlap_weight: None,
             pd_transfer_gbps: 400.0,
             pd_transfer_latency_us: 100,
+            pd_link: PdLink::PerTransfer,
             kv_bytes_per_token: 131_072,
             routers: 1,
             trace: None,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use kvblock::BlockHash;
 use kvcache::KvEvent;
 
-use crate::config::SimConfig;
+use crate::config::{PdLink, SimConfig};
 use crate::engine::{EngineRequest, Outcome, Pool};
 use crate::error::Error;
 use crate::fleet::Fleet;
@@ -105,6 +105,18 @@ enum Kind {
     Ready(usize),
     /// Closed loop: turn `.0`, which holds a slot already, is sent.
     Send(usize),
+    /// Shared links: the next transfer on prefill engine `.0`'s link completes; stale
+    /// unless `.1` is the link's generation.
+    LinkDone(usize, u32),
+}
+
+/// One prefill engine's link when transfers share it: the transfers on it, each with the bits
+/// it has left, all served at an equal share of the bandwidth since `last`.
+#[derive(Debug, Default)]
+struct Link {
+    flows: Vec<(usize, f64)>,
+    last: u64,
+    gen: u32,
 }
 
 /// A closed-loop run's plan and state: which turns wait for which, and the concurrency gate.
@@ -309,6 +321,8 @@ struct Run<'a> {
     ahead_queued: usize,
     /// The closed-loop plan (`None`: requests arrive at their times).
     closed: Option<Closed>,
+    /// Per engine, its outgoing KV link when transfers share it.
+    links: Vec<Link>,
 }
 
 impl<'a> Run<'a> {
@@ -342,6 +356,7 @@ impl<'a> Run<'a> {
             chains: (0..n).map(|_| Chain::default()).collect(),
             ahead_queued: 0,
             closed: Closed::new(cfg),
+            links: (0..n).map(|_| Link::default()).collect(),
         })
     }
 
@@ -516,6 +531,7 @@ impl<'a> Run<'a> {
                     }
                 }
                 Kind::Send(j) => self.send_turn(j),
+                Kind::LinkDone(e, g) => self.link_done(e, g),
             }
             if self.ambiguous {
                 return;
@@ -890,10 +906,75 @@ impl<'a> Run<'a> {
         let input = req.rec.input;
         let sent_tokens = input - (decode_hits * bs).min(input);
         let bits = sent_tokens as f64 * self.cfg.kv_bytes_per_token as f64 * 8.0;
+        if self.cfg.pd_link == PdLink::Shared && bits > 0.0 {
+            let e = req.rec.engine;
+            req.rec.transfer_us = self.now;
+            self.advance_link(e);
+            self.links[e].flows.push((r, bits));
+            self.schedule_link(e);
+            return;
+        }
         let transfer = (bits / (self.cfg.pd_transfer_gbps * 1e3)).round() as u64
             + self.cfg.pd_transfer_latency_us;
         req.rec.transfer_us = transfer;
         self.push(self.now.saturating_add(transfer), Kind::TransferDone(r));
+    }
+
+    /// Shared links: serves link `e`'s transfers their equal shares of the time since its
+    /// last change.
+    fn advance_link(&mut self, e: usize) {
+        let link = &mut self.links[e];
+        let k = link.flows.len();
+        if k > 0 {
+            let share = (self.now - link.last) as f64 * self.cfg.pd_transfer_gbps * 1e3 / k as f64;
+            for f in &mut link.flows {
+                f.1 -= share;
+            }
+        }
+        link.last = self.now;
+    }
+
+    /// Shared links: queues the completion of link `e`'s transfer with the fewest bits left,
+    /// at the current shares (replacing any queued one).
+    fn schedule_link(&mut self, e: usize) {
+        let link = &mut self.links[e];
+        link.gen = link.gen.wrapping_add(1);
+        let Some(left) = link.flows.iter().map(|f| f.1).reduce(f64::min) else {
+            return;
+        };
+        let rate = self.cfg.pd_transfer_gbps * 1e3 / link.flows.len() as f64;
+        // Whole microseconds, rounded as a lone transfer's duration is.
+        let dt = (left.max(0.0) / rate).round() as u64;
+        let gen = link.gen;
+        self.push(self.now.saturating_add(dt), Kind::LinkDone(e, gen));
+    }
+
+    /// Shared links: the transfers of link `e` that are through start their fixed latency;
+    /// the rest share the link anew.
+    fn link_done(&mut self, e: usize, gen: u32) {
+        if gen != self.links[e].gen {
+            return;
+        }
+        self.advance_link(e);
+        // Transfers within half a microsecond of their end (at their share) are through.
+        let k = self.links[e].flows.len().max(1);
+        let half_us = 0.5 * self.cfg.pd_transfer_gbps * 1e3 / k as f64;
+        let mut done = Vec::new();
+        self.links[e].flows.retain(|&(r, left)| {
+            if left <= half_us {
+                done.push(r);
+                false
+            } else {
+                true
+            }
+        });
+        for r in done {
+            let arrive = self.now.saturating_add(self.cfg.pd_transfer_latency_us);
+            let rec = &mut self.reqs[r].rec;
+            rec.transfer_us = arrive - rec.transfer_us;
+            self.push(arrive, Kind::TransferDone(r));
+        }
+        self.schedule_link(e);
     }
 
     fn transfer_done(&mut self, r: usize) {
@@ -967,7 +1048,7 @@ impl<'a> Run<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::ArrivalModel;
+    use crate::config::{ArrivalModel, PdLink};
     use crate::engine::KvAllocation;
     use crate::timing::LinearTiming;
     use kvblock::BlockSize;
@@ -978,6 +1059,11 @@ mod tests {
         let timing: Arc<dyn TimingModel> = Arc::new(LinearTiming::default());
         let mut run = Run::new(cfg, &timing, Workload::new(cfg), true).unwrap();
         run.simulate(&mut |_| {});
+        if run.ambiguous {
+            // As `Simulation::run`: a fast run that met a tie it cannot order stops early.
+            run = Run::new(cfg, &timing, Workload::new(cfg), false).unwrap();
+            run.simulate(&mut |_| {});
+        }
         let leftovers = run
             .fleet
             .engines
@@ -1046,6 +1132,10 @@ mod tests {
         let timing: Arc<dyn TimingModel> = Arc::new(LinearTiming::default());
         let mut run = Run::new(cfg, &timing, Workload::new(cfg), true).unwrap();
         run.simulate(&mut |_| {});
+        if run.ambiguous {
+            run = Run::new(cfg, &timing, Workload::new(cfg), false).unwrap();
+            run.simulate(&mut |_| {});
+        }
         let plan = closed_plan(cfg).unwrap();
         let turn_of = run.closed.as_ref().unwrap().turn_of.clone();
         (run.collect(), plan, turn_of)
@@ -1188,11 +1278,12 @@ mod tests {
                           rate in prop::sample::select(vec![10.0f64, 50.0, 200.0, 1000.0]),
                           timing in prop::sample::select(vec![(1000.0, 1.0, 0.0, 0.0), (1000.0, 0.0, 500.0, 0.0), (7050.0, 19.5, 25.4, 0.04), (2000.0, 2.0, 0.0, 1.0)]),
                           input in 1usize..600, output in 1usize..60, seqs in 1usize..6,
-                          (seed, incremental, mode) in (0u64..1000, any::<bool>(), 0u8..4)) {
+                          (seed, incremental, mode, shared) in (0u64..1000, any::<bool>(), 0u8..4, any::<bool>())) {
             let cfg = SimConfig {
                 instances,
                 prefill_instances: pd.map(|p| p.0),
                 decode_instances: pd.map(|p| p.1),
+                pd_link: if shared { PdLink::Shared } else { PdLink::PerTransfer },
                 routers,
                 kv_blocks: kv,
                 block_size: BlockSize::new(bs).unwrap(),
