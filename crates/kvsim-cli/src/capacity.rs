@@ -142,6 +142,8 @@ fn next_points(
                 .map(|k| base * f64::from(1u32 << k.min(30)))
                 .collect()
         }
+        // Failing even at a thousandth of the first rate: the targets are missed without load.
+        (Find::Rate, None, Some(f)) if f < start / 1000.0 => Vec::new(),
         (Find::Rate, None, Some(f)) => (1..=n).map(|k| f / f64::from(1u32 << k.min(30))).collect(),
         (Find::Rate, Some(p), Some(f)) => {
             if f - p <= RATE_TOLERANCE * f {
@@ -316,7 +318,7 @@ pub(crate) fn main(args: &CapacityArgs) -> ExitCode {
             "{}",
             to_table(find, args.attainment, slo, &head, &probes, &order)
         );
-        print!("{}", answer_line(find, args, pass, failure, probes.len()));
+        print!("{}", answer_line(find, args, pass, failure, &probes));
     }
     eprintln!(
         "kvsim: capacity search: {} runs in {} rounds, {:.2} s wall time",
@@ -393,8 +395,28 @@ fn answer_line(
     args: &CapacityArgs,
     pass: Option<f64>,
     failure: Option<f64>,
-    runs: usize,
+    probes: &[Probe],
 ) -> String {
+    let runs = probes.len();
+    // The best attainment seen (on a tie: the lowest rate, or the most instances).
+    let best = probes.iter().reduce(|a, b| {
+        let tie_break = (find == Find::Rate) == (b.x < a.x);
+        if b.attainment > a.attainment || (b.attainment == a.attainment && tie_break) {
+            b
+        } else {
+            a
+        }
+    });
+    let best = best.map_or_else(String::new, |b| {
+        format!(
+            "; the best attainment, {:.1}% at {}, is below the target: relax the targets or --attainment",
+            b.attainment * 100.0,
+            match find {
+                Find::Rate => format!("{:.3} req/s", b.x),
+                Find::Instances => format!("{} instance(s)", b.x),
+            }
+        )
+    });
     match (find, pass, failure) {
         (Find::Rate, Some(p), Some(f)) => format!(
             "  Answer: {p:.3} req/s sustained ({f:.3} req/s is not); {runs} runs\n"
@@ -403,14 +425,14 @@ fn answer_line(
             "  Answer: at least {p:.3} req/s: every rate tried passed; raise --runs to search higher\n"
         ),
         (Find::Rate, None, _) => format!(
-            "  Answer: none: even the lowest rate tried fails; {runs} runs\n"
+            "  Answer: none: even the lowest rate tried fails{best}; {runs} runs\n"
         ),
         (Find::Instances, Some(p), _) => format!(
             "  Answer: {p} instance(s) sustain the rate{}; {runs} runs\n",
             failure.map_or_else(String::new, |f| format!(" ({f} do not)"))
         ),
         (Find::Instances, None, _) => format!(
-            "  Answer: none: up to {} instance(s) tried, none sustains the rate; {runs} runs\n",
+            "  Answer: none: up to {} instance(s) tried, none sustains the rate{best}; {runs} runs\n",
             args.max_instances
         ),
     }
@@ -473,6 +495,26 @@ mod tests {
         }
         assert_eq!(bracket(Find::Instances, &ps), (None, Some(20.0)));
         assert!(ps.iter().all(|q| q.x <= 20.0));
+    }
+
+    /// When every rate fails, the halving ladder stops below a thousandth of the first rate.
+    #[test]
+    fn a_search_where_nothing_passes_ends() {
+        let mut ps: Vec<Probe> = Vec::new();
+        for _ in 0..100 {
+            let pts = next_points(Find::Rate, &ps, 6.0, 4, 0);
+            if pts.is_empty() {
+                break;
+            }
+            ps.extend(pts.iter().map(|&x| p(x, false)));
+        }
+        let lowest = ps.iter().map(|q| q.x).fold(f64::INFINITY, f64::min);
+        assert!(
+            ps.len() <= 16 && lowest < 6.0 / 1000.0,
+            "{} runs, {lowest}",
+            ps.len()
+        );
+        assert_eq!(bracket(Find::Rate, &ps), (None, Some(lowest)));
     }
 
     /// A pass beyond a failure (noise) does not move the bracket.
