@@ -220,6 +220,12 @@ pub(crate) fn main(args: &CapacityArgs) -> ExitCode {
         };
         return fail(format!("invalid {flag} {v}: expected a whole number >= 1"));
     }
+    if args.find == "rate" && cfg.concurrency.is_some() {
+        return fail(
+            "--concurrency sends requests as slots free up, whatever the rate: search --find instances instead"
+                .to_string(),
+        );
+    }
     let find = if args.find == "instances" {
         if cfg.disaggregated() {
             return fail(

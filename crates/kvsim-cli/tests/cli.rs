@@ -280,6 +280,10 @@ fn capacity_refuses_bad_settings_in_one_line() {
             "--find",
         ),
         (
+            &["capacity", "--slo-ttft-ms", "100", "--concurrency", "4"][..],
+            "--concurrency",
+        ),
+        (
             &[
                 "capacity",
                 "--slo-ttft-ms",

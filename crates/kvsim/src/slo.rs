@@ -77,12 +77,15 @@ impl Slo {
         let itl = if gaps == 0 {
             true
         } else {
-            within((r.finish - r.first_token) as f64 / gaps as f64, self.itl_ms)
+            within(
+                r.finish.saturating_sub(r.first_token) as f64 / gaps as f64,
+                self.itl_ms,
+            )
         };
         [
-            within((r.first_token - r.arrival) as f64, self.ttft_ms),
+            within(r.first_token.saturating_sub(r.arrival) as f64, self.ttft_ms),
             itl,
-            within((r.finish - r.arrival) as f64, self.e2e_ms),
+            within(r.finish.saturating_sub(r.arrival) as f64, self.e2e_ms),
         ]
     }
 }
