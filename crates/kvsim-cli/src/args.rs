@@ -7,7 +7,8 @@ use std::path::PathBuf;
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use kvblock::BlockSize;
 use kvsim::{
-    ArrivalModel, CostModel, LinearTiming, Policy, Popularity, SimConfig, Trace, TraceTiming,
+    ArrivalModel, CostModel, KvAllocation, LinearTiming, PdLink, Policy, Popularity, SimConfig,
+    Slo, TimingKind, Trace, TraceTiming,
 };
 
 /// Simulate a fleet of LLM engine replicas behind a KV-cache-aware router.
@@ -50,6 +51,69 @@ pub(crate) enum Cmd {
     },
     /// Run one simulation per value of a run parameter and tabulate the results.
     Sweep(Box<SweepArgs>),
+    /// Fit the linear timing model to measured engine steps (least squares on relative error)
+    /// and print the coefficients as --timing-* flags, with the mean absolute percentage error.
+    Calibrate {
+        /// Measured steps: a CSV with the header
+        /// prefill_tokens,decode_requests,context_tokens,step_us (any column order; other
+        /// columns ignored), one engine step per line.
+        #[arg(long, value_name = "FILE.csv")]
+        steps: PathBuf,
+        /// Output format: text or json.
+        #[arg(long, default_value = "text", value_parser = ["text", "json"], value_name = "FORMAT")]
+        format: String,
+    },
+    /// Find the highest arrival rate (or the fewest instances) that keeps the --slo-* targets
+    /// for a share of requests, by a parallel bisection over simulations.
+    Capacity(Box<CapacityArgs>),
+}
+
+/// `kvsim capacity`: the search's own flags, then every run flag.
+#[derive(Debug, Args)]
+#[command(allow_negative_numbers = true, args_override_self = true)]
+pub(crate) struct CapacityArgs {
+    /// What to find: rate (the highest arrival rate meeting the targets; with a trace and
+    /// --trace-timing keep, reached by --trace-speedup, shown as requests/s) or instances (the
+    /// fewest --des-instances meeting them at the run's rate).
+    #[arg(long, default_value = "rate", value_parser = ["rate", "instances"], value_name = "WHAT")]
+    pub(crate) find: String,
+    /// Share of all requests (rejected ones count as misses) that must meet every --slo-* target.
+    #[arg(long, default_value_t = 0.99, value_name = "SHARE")]
+    pub(crate) attainment: f64,
+    /// Simulations in all; the search stops earlier when the rate bracket is within 0.5% or
+    /// the instance bracket one apart.
+    #[arg(long, default_value_t = 20, value_name = "N")]
+    pub(crate) runs: usize,
+    /// Simulations per round, run in parallel. The points tried depend on this, never on --jobs,
+    /// so a seed gives the same search on any machine.
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    pub(crate) probes: usize,
+    /// --find instances: the most instances to try.
+    #[arg(long, default_value_t = 1024, value_name = "N")]
+    pub(crate) max_instances: usize,
+    /// Draw attainment against the rate (or instances) as an SVG chart, with the target.
+    #[arg(long, value_name = "FILE.svg")]
+    pub(crate) plot: Option<PathBuf>,
+    #[command(flatten)]
+    pub(crate) batch: Batch,
+}
+
+/// What runs many simulations takes: how many at once, and every run flag.
+#[derive(Debug, Args)]
+pub(crate) struct Batch {
+    /// Simulations to run at once (default: the machine's cores).
+    #[arg(long, value_name = "N")]
+    jobs: Option<usize>,
+    #[command(flatten)]
+    pub(crate) run: RunArgs,
+}
+
+impl Batch {
+    /// Threads to run simulations on: --jobs, or the machine's cores.
+    pub(crate) fn jobs(&self) -> usize {
+        self.jobs
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+    }
 }
 
 #[derive(Debug, Args)]
@@ -66,11 +130,8 @@ pub(crate) struct SweepArgs {
     /// Draw hit rate and TTFT p99 against the swept value as an SVG chart.
     #[arg(long, value_name = "FILE.svg")]
     pub(crate) plot: Option<PathBuf>,
-    /// Simulations to run at once (default: the machine's cores).
-    #[arg(long, value_name = "N")]
-    pub(crate) jobs: Option<usize>,
     #[command(flatten)]
-    pub(crate) run: RunArgs,
+    pub(crate) batch: Batch,
 }
 
 /// The run flags. Each simulation setting is an `Option`: unset means `SimConfig::default()`'s
@@ -109,7 +170,25 @@ pub(crate) struct RunArgs {
     #[arg(long, value_name = "TOKENS", help_heading = "Synthetic content")]
     output_len: Option<usize>,
 
-    /// Replay this Mooncake-format JSONL trace instead of the synthetic prefix pool.
+    /// Synthetic chat sessions instead of single requests: N sessions start at the arrival
+    /// model's times (--request-rate sessions/s), each with a pool prefix and
+    /// input-len - des-prefix-len new tokens; every later turn is sent --think-ms after the
+    /// previous one finished, its prompt that prompt + its answer + new tokens.
+    #[arg(long, value_name = "N", help_heading = "Sessions and closed loops")]
+    sessions: Option<usize>,
+    /// Turns per synthetic session.
+    #[arg(long, value_name = "T", help_heading = "Sessions and closed loops")]
+    turns: Option<usize>,
+    /// Think time between a synthetic turn's end and the next turn, milliseconds.
+    #[arg(long, value_name = "MS", help_heading = "Sessions and closed loops")]
+    think_ms: Option<f64>,
+    /// Closed loop: keep N requests in flight, sending the next as soon as one finishes
+    /// (arrival times and trace timestamps ignored; sessions keep their order).
+    #[arg(long, value_name = "N", help_heading = "Sessions and closed loops")]
+    concurrency: Option<usize>,
+
+    /// Replay this Mooncake-format JSONL trace instead of the synthetic prefix pool (lines
+    /// with session_id and think_time_ms replay as multi-turn sessions).
     #[arg(long, value_name = "FILE", help_heading = "Trace replay")]
     trace: Option<PathBuf>,
     /// Tokens per block of the trace's hash ids.
@@ -145,6 +224,21 @@ pub(crate) struct RunArgs {
     /// Running requests per engine.
     #[arg(long, value_name = "N", help_heading = "Fleet")]
     max_num_seqs: Option<usize>,
+    /// KV allocation: reserve (a request's prompt and output blocks at admission) or
+    /// incremental (as vLLM: the prompt's at admission, then a block at a time as it decodes;
+    /// when none is free the newest request is preempted and later recomputes; the report
+    /// counts preemptions and recomputed tokens).
+    #[arg(long, value_parser = parse_kv_allocation, value_name = "MODE", help_heading = "Fleet")]
+    kv_allocation: Option<KvAllocation>,
+    /// Step-time model: linear (the --timing-* coefficients) or polynomial (NVIDIA Dynamo
+    /// mocker's: prefill quadratic in new tokens, decode quadratic in KV utilisation; see
+    /// kvsim::PolynomialTiming).
+    #[arg(long, value_parser = parse_timing_kind, value_name = "MODEL", help_heading = TIMING)]
+    timing: Option<TimingKind>,
+    /// Polynomial timing: KV capacity in tokens that utilisation is measured against when
+    /// --des-kv-blocks is unset (otherwise blocks times block size).
+    #[arg(long, value_name = "TOKENS", help_heading = TIMING)]
+    timing_kv_tokens: Option<u64>,
     /// Step time: fixed cost per engine step, microseconds.
     #[arg(
         long,
@@ -230,6 +324,10 @@ pub(crate) struct RunArgs {
         help_heading = "Disaggregated prefill/decode"
     )]
     pd_transfer_gbps: Option<f64>,
+    /// per-transfer: every KV transfer gets the whole --pd-transfer-gbps; shared: the transfers
+    /// leaving one prefill engine share it equally.
+    #[arg(long, value_parser = parse_pd_link, value_name = "MODE", help_heading = "Disaggregated prefill/decode")]
+    pd_link: Option<PdLink>,
     /// Fixed latency of each KV transfer, microseconds.
     #[arg(long, value_name = "US", help_heading = "Disaggregated prefill/decode")]
     pd_transfer_latency_us: Option<u64>,
@@ -240,6 +338,19 @@ pub(crate) struct RunArgs {
         help_heading = "Disaggregated prefill/decode"
     )]
     kv_bytes_per_token: Option<u64>,
+
+    /// Target time to first token (arrival to first token), ms: the report adds the share of
+    /// requests within each target, within all of them, and the goodput (requests per second
+    /// within all). A rejected request misses every target.
+    #[arg(long, value_name = "MS", help_heading = "Service-level objectives")]
+    pub(crate) slo_ttft_ms: Option<f64>,
+    /// Target inter-token latency, ms, on each request's mean gap between its output tokens
+    /// ((last - first token) / (output - 1); one output token always meets it).
+    #[arg(long, value_name = "MS", help_heading = "Service-level objectives")]
+    pub(crate) slo_itl_ms: Option<f64>,
+    /// Target end-to-end latency (arrival to last token), ms.
+    #[arg(long, value_name = "MS", help_heading = "Service-level objectives")]
+    pub(crate) slo_e2e_ms: Option<f64>,
 
     /// Output format: text or json.
     #[arg(long, default_value = "text", value_parser = ["text", "json"], value_name = "FORMAT", help_heading = "Output")]
@@ -252,13 +363,19 @@ pub(crate) struct RunArgs {
     quiet: bool,
 }
 
+/// The help heading of the timing flags.
+const TIMING: &str = "Timing (linear per engine step; fit your own)";
+
 const EXAMPLES: &str = "Examples:
   kvsim                                         the default fleet on a synthetic prefix pool
   kvsim --des-routing round_robin --des-kv-blocks 20000
   kvsim --trace conversation.jsonl --des-instances 8 --des-kv-blocks 900
   kvsim --des-prefill-instances 4 --des-decode-instances 4 --kv-prefill-overlap-weight 20
   kvsim trace-stats conversation.jsonl
-  kvsim sweep --param des-overlap-weight=0,0.5,1,2,4 --plot sweep.svg";
+  kvsim sweep --param des-overlap-weight=0,0.5,1,2,4 --plot sweep.svg
+  kvsim capacity --slo-ttft-ms 2000 --slo-itl-ms 50 --attainment 0.99 --des-num-requests 2000
+  kvsim calibrate --steps steps.csv               fit --timing-* to measured step times
+  kvsim capacity --find instances --request-rate 40 --slo-ttft-ms 2000 --des-num-requests 2000";
 
 /// Each `SimConfig` setting (as the library's errors name it) and the flag that sets it.
 pub(crate) const FLAGS: &[(&str, &str)] = &[
@@ -277,10 +394,13 @@ pub(crate) const FLAGS: &[(&str, &str)] = &[
     ("kv_blocks", "--des-kv-blocks"),
     ("max_batched_tokens", "--max-batched-tokens"),
     ("max_num_seqs", "--max-num-seqs"),
+    ("kv_allocation", "--kv-allocation"),
     ("timing.base_us", "--timing-base-us"),
     ("timing.prefill_us_per_token", "--timing-prefill-us"),
     ("timing.decode_us_per_request", "--timing-decode-us"),
     ("timing.context_us_per_token", "--timing-context-us"),
+    ("timing_kind", "--timing"),
+    ("polynomial.kv_capacity_tokens", "--timing-kv-tokens"),
     ("routing", "--des-routing"),
     ("overlap_weight", "--des-overlap-weight"),
     ("prefix_aware_blocks", "--prefix-aware-blocks"),
@@ -291,6 +411,7 @@ pub(crate) const FLAGS: &[(&str, &str)] = &[
     ("decode_overlap_weight", "--kv-decode-overlap-weight"),
     ("pd_transfer_gbps", "--pd-transfer-gbps"),
     ("pd_transfer_latency_us", "--pd-transfer-latency-us"),
+    ("pd_link", "--pd-link"),
     ("kv_bytes_per_token", "--kv-bytes-per-token"),
     ("routers", "--des-routers"),
     ("cost_model", "--cost-model"),
@@ -303,6 +424,13 @@ pub(crate) const FLAGS: &[(&str, &str)] = &[
     ("host_hit_credit", "--host-hit-credit"),
     ("trace_speedup", "--trace-speedup"),
     ("trace_timing", "--trace-timing"),
+    ("sessions", "--sessions"),
+    ("turns", "--turns"),
+    ("think_us", "--think-ms"),
+    ("concurrency", "--concurrency"),
+    ("slo.ttft_ms", "--slo-ttft-ms"),
+    ("slo.itl_ms", "--slo-itl-ms"),
+    ("slo.e2e_ms", "--slo-e2e-ms"),
 ];
 
 fn flag_of(setting: &str) -> Option<&'static str> {
@@ -372,6 +500,8 @@ fn defaults() -> Vec<(&'static str, String)> {
         ("prefix_popularity", d.prefix_popularity.to_string()),
         ("input_len", d.input_len.to_string()),
         ("output_len", d.output_len.to_string()),
+        ("turns", d.turns.to_string()),
+        ("think_ms", (d.think_us as f64 / 1000.0).to_string()),
         ("trace_speedup", d.trace_speedup.to_string()),
         ("trace_timing", d.trace_timing.to_string()),
         (
@@ -381,10 +511,16 @@ fn defaults() -> Vec<(&'static str, String)> {
         ("des_instances", d.instances.to_string()),
         ("max_batched_tokens", d.max_batched_tokens.to_string()),
         ("max_num_seqs", d.max_num_seqs.to_string()),
+        ("kv_allocation", d.kv_allocation.to_string()),
         ("timing_base_us", t.base_us.to_string()),
         ("timing_prefill_us", t.prefill_us_per_token.to_string()),
         ("timing_decode_us", t.decode_us_per_request.to_string()),
         ("timing_context_us", t.context_us_per_token.to_string()),
+        ("timing", d.timing_kind.to_string()),
+        (
+            "timing_kv_tokens",
+            d.polynomial.kv_capacity_tokens.to_string(),
+        ),
         ("des_routing", d.routing.to_string()),
         ("des_overlap_weight", d.overlap_weight.to_string()),
         ("prefix_aware_blocks", d.prefix_aware_blocks.to_string()),
@@ -407,6 +543,7 @@ fn defaults() -> Vec<(&'static str, String)> {
             d.pd_transfer_latency_us.to_string(),
         ),
         ("kv_bytes_per_token", d.kv_bytes_per_token.to_string()),
+        ("pd_link", d.pd_link.to_string()),
     ]
 }
 
@@ -423,6 +560,7 @@ pub(crate) fn command() -> clap::Command {
     Cli::command()
         .mut_args(add)
         .mut_subcommand("sweep", |s| s.mut_args(add))
+        .mut_subcommand("capacity", |s| s.mut_args(add))
 }
 
 /// Parses a command line (the first item is the program name).
@@ -487,6 +625,18 @@ fn parse_busy(s: &str) -> Result<Busy, String> {
     Ok(busy)
 }
 
+fn parse_pd_link(s: &str) -> Result<PdLink, String> {
+    s.parse().map_err(expected)
+}
+
+fn parse_kv_allocation(s: &str) -> Result<KvAllocation, String> {
+    s.parse().map_err(expected)
+}
+
+fn parse_timing_kind(s: &str) -> Result<TimingKind, String> {
+    s.parse().map_err(expected)
+}
+
 fn parse_trace_timing(s: &str) -> Result<TraceTiming, String> {
     s.parse().map_err(expected)
 }
@@ -534,6 +684,21 @@ impl RunArgs {
                 *field = v.clone();
             }
         }
+        if let Some(ms) = self.think_ms {
+            if !(ms.is_finite() && (0.0..=1e9).contains(&ms)) {
+                return Err(format!(
+                    "invalid --think-ms {ms}: expected a number of milliseconds from 0 to 1e9"
+                ));
+            }
+            cfg.think_us = (ms * 1000.0).round() as u64;
+        }
+        if self.sessions.is_some() {
+            cfg.sessions = self.sessions;
+        }
+        if self.concurrency.is_some() {
+            cfg.concurrency = self.concurrency;
+        }
+        set(&mut cfg.turns, &self.turns);
         set(&mut cfg.num_requests, &self.des_num_requests);
         set(&mut cfg.request_rate, &self.request_rate);
         set(&mut cfg.arrival_model, &self.arrival_model);
@@ -568,6 +733,7 @@ impl RunArgs {
             &self.pd_transfer_latency_us,
         );
         set(&mut cfg.kv_bytes_per_token, &self.kv_bytes_per_token);
+        set(&mut cfg.pd_link, &self.pd_link);
         set(&mut cfg.routers, &self.des_routers);
         set(&mut cfg.cost_model, &self.cost_model);
         set(&mut cfg.router_temperature, &self.router_temperature);
@@ -590,6 +756,7 @@ impl RunArgs {
         }
         set(&mut cfg.max_batched_tokens, &self.max_batched_tokens);
         set(&mut cfg.max_num_seqs, &self.max_num_seqs);
+        set(&mut cfg.kv_allocation, &self.kv_allocation);
         let t = cfg.timing;
         cfg.timing = LinearTiming::new(
             self.timing_base_us.unwrap_or(t.base_us),
@@ -597,9 +764,15 @@ impl RunArgs {
             self.timing_decode_us.unwrap_or(t.decode_us_per_request),
             self.timing_context_us.unwrap_or(t.context_us_per_token),
         );
+        set(&mut cfg.timing_kind, &self.timing);
+        set(
+            &mut cfg.polynomial.kv_capacity_tokens,
+            &self.timing_kv_tokens,
+        );
         set(&mut cfg.routing, &self.des_routing);
         set(&mut cfg.overlap_weight, &self.des_overlap_weight);
         set(&mut cfg.prefix_aware_blocks, &self.prefix_aware_blocks);
+        cfg.slo = Slo::new(self.slo_ttft_ms, self.slo_itl_ms, self.slo_e2e_ms);
         cfg.validate().map_err(|e| flagged(&e))?;
         Ok(cfg)
     }
@@ -641,7 +814,7 @@ mod tests {
         let Some(Cmd::Sweep(s)) = sweep.cmd else {
             panic!("not a sweep")
         };
-        assert_eq!(s.run.config().unwrap(), SimConfig::default());
+        assert_eq!(s.batch.run.config().unwrap(), SimConfig::default());
     }
 
     /// Every setting the library can name maps to a flag the command has, and every run flag

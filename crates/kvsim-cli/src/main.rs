@@ -1,6 +1,7 @@
 //! The `kvsim` command: simulate a fleet of LLM engines behind a KV-aware router.
 
 mod args;
+mod capacity;
 mod plot;
 mod row;
 mod sweep;
@@ -39,6 +40,8 @@ fn main() -> ExitCode {
             format,
         }) => trace_stats(&file, trace_block_size, &format),
         Some(Cmd::Sweep(args)) => sweep_command(&args),
+        Some(Cmd::Capacity(args)) => capacity::main(&args),
+        Some(Cmd::Calibrate { steps, format }) => calibrate(&steps, &format),
     }
 }
 
@@ -79,7 +82,7 @@ fn sweep_command(args: &SweepArgs) -> ExitCode {
             Ok(Cli {
                 cmd: Some(Cmd::Sweep(s)),
                 ..
-            }) => s.run.config(),
+            }) => s.batch.run.config(),
             Ok(_) => Err("internal: the sweep's command line did not parse as a sweep".to_string()),
             Err(e) => Err(one_line(&e)),
         };
@@ -148,4 +151,73 @@ fn trace_stats(file: &std::path::Path, block_size: usize, format: &str) -> ExitC
         }
         Err(e) => usage_error(flagged(&e)),
     }
+}
+
+/// `x` with `digits` significant digits, as the shortest decimal that reads back the same.
+fn significant(x: f64, digits: i32) -> String {
+    if x == 0.0 || !x.is_finite() {
+        return x.to_string();
+    }
+    let scale = 10f64.powi(digits - 1 - x.abs().log10().floor() as i32);
+    ((x * scale).round() / scale).to_string()
+}
+
+fn calibrate(file: &std::path::Path, format: &str) -> ExitCode {
+    let fit = match kvsim::load_steps(file).and_then(|s| kvsim::fit_linear(&s)) {
+        Ok(f) => f,
+        Err(e @ kvsim::Error::Fit(_)) => {
+            return usage_error(format!("--steps {}: {e}", file.display()))
+        }
+        Err(e) => return usage_error(format!("--steps {e}")),
+    };
+    if format == "json" {
+        println!("{}", serde_json::to_string_pretty(&fit).unwrap_or_default());
+        return ExitCode::SUCCESS;
+    }
+    let c = [
+        ("--timing-base-us", fit.base_us, "us per step"),
+        (
+            "--timing-prefill-us",
+            fit.prefill_us_per_token,
+            "us per prefill token",
+        ),
+        (
+            "--timing-decode-us",
+            fit.decode_us_per_request,
+            "us per decoding request",
+        ),
+        (
+            "--timing-context-us",
+            fit.context_us_per_token,
+            "us per context token",
+        ),
+    ];
+    println!(
+        "  Calibration: {} steps from {}, least squares on relative error",
+        fit.steps,
+        file.display()
+    );
+    for (flag, v, unit) in c {
+        println!("  {:<20} {:>14}  {unit}", flag, significant(v, 6));
+    }
+    if !fit.fixed_at_zero.is_empty() {
+        println!(
+            "  fixed at 0 (their column is 0 in every step): {}",
+            fit.fixed_at_zero.join(", ")
+        );
+    }
+    println!(
+        "  Mean absolute percentage error {:.2}% (worst step {:.2}%)",
+        fit.mape * 100.0,
+        fit.max_ape * 100.0
+    );
+    if c.iter().any(|x| x.1 < 0.0) {
+        println!("  WARNING: a negative coefficient: --timing-* accepts only >= 0; the linear model does not describe these steps well");
+    }
+    let flags: Vec<String> = c
+        .iter()
+        .map(|(f, v, _)| format!("{f} {}", significant(*v, 6)))
+        .collect();
+    println!("  Flags: {}", flags.join(" "));
+    ExitCode::SUCCESS
 }

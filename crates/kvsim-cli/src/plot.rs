@@ -74,13 +74,70 @@ pub(crate) fn draw(path: &Path, name: &str, rows: &[Row]) -> Result<(), String> 
                 .map(|&p| TriangleMarker::new(p, 5, RED.filled())),
         )
         .map_err(|e| err(&e))?;
+    finish(&mut chart, &root, SeriesLabelPosition::MiddleRight)
+}
+
+/// The capacity chart: attainment (%) of each run against its rate or instance count, with the
+/// target as a dashed line.
+pub(crate) fn draw_attainment(
+    path: &Path,
+    x_label: &str,
+    points: &[(f64, f64)],
+    target: f64,
+) -> Result<(), String> {
+    let err = |e: &dyn std::fmt::Display| e.to_string();
+    let mut pts: Vec<(f64, f64)> = points.iter().map(|&(x, a)| (x, a * 100.0)).collect();
+    pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let x_max = pts.iter().map(|p| p.0).fold(1.0, f64::max) * 1.05;
+    let root = SVGBackend::new(path, (900, 520)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption("kvsim capacity: SLO attainment", ("sans-serif", 22))
+        .margin(16)
+        .x_label_area_size(44)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0f64..x_max, 0f64..101f64)
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc(x_label)
+        .y_desc("requests within every target (%)")
+        .draw()
+        .map_err(|e| err(&e))?;
+    chart
+        .draw_series(LineSeries::new(pts.clone(), BLUE.stroke_width(2)))
+        .map_err(|e| err(&e))?
+        .label("attainment")
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE.stroke_width(2)));
+    chart
+        .draw_series(pts.iter().map(|&p| Circle::new(p, 4, BLUE.filled())))
+        .map_err(|e| err(&e))?;
+    let t = target * 100.0;
+    chart
+        .draw_series(DashedLineSeries::new(
+            vec![(0.0, t), (x_max, t)],
+            6,
+            4,
+            RED.stroke_width(1),
+        ))
+        .map_err(|e| err(&e))?
+        .label(format!("target {t:.1}%"))
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED.stroke_width(1)));
+    finish(&mut chart, &root, SeriesLabelPosition::LowerLeft)
+}
+
+/// Draws the legend at `at` and writes the file.
+fn finish<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    root: &DrawingArea<DB, plotters::coord::Shift>,
+    at: SeriesLabelPosition,
+) -> Result<(), String> {
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::MiddleRight)
+        .position(at)
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .draw()
-        .map_err(|e| err(&e))?;
-    root.present().map_err(|e| err(&e))?;
-    Ok(())
+        .map_err(|e| e.to_string())?;
+    root.present().map_err(|e| e.to_string())
 }

@@ -24,6 +24,11 @@ pub(crate) struct Row {
     pub(crate) decode_block_reuse: Option<f64>,
     pub(crate) decode_load_balance: Option<f64>,
     pub(crate) transfer_p99_ms: Option<f64>,
+    /// With latency targets: the share of requests within all of them, and the goodput.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) slo_attainment: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) goodput_rps: Option<f64>,
 }
 
 impl Row {
@@ -46,6 +51,8 @@ impl Row {
             decode_block_reuse: r.pd.as_ref().map(|p| p.decode.block_reuse),
             decode_load_balance: r.pd.as_ref().map(|p| p.decode.load_balance),
             transfer_p99_ms: r.pd.as_ref().map(|p| p.transfer_ms.p99),
+            slo_attainment: r.slo.as_ref().map(|s| s.attainment),
+            goodput_rps: r.slo.as_ref().map(|s| s.goodput_rps),
         }
     }
 }

@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvsim::{Report, SimConfig, Simulation};
 
-use crate::args::{flagged, SweepArgs};
+use crate::args::{flagged, Batch, SweepArgs};
 use crate::row::Row;
 
 /// A progress bar on stderr.
@@ -36,12 +36,12 @@ pub(crate) fn parse_param(s: &str) -> Result<(String, Vec<String>), String> {
     Ok((name, values))
 }
 
-/// Runs every configuration on `jobs` threads; results keep the order of the values.
-fn run_all(
+/// Runs every configuration on the batch's threads; results keep the order of the values.
+pub(crate) fn run_all(
     configs: &[(String, SimConfig)],
-    jobs: usize,
-    progress: bool,
+    batch: &Batch,
 ) -> Result<Vec<Report>, String> {
+    let (jobs, progress) = (batch.jobs(), batch.run.progress());
     let next = AtomicUsize::new(0);
     let results: Mutex<Vec<Option<Result<Report, String>>>> = Mutex::new(vec![None; configs.len()]);
     let bar = progress.then(|| bar(configs.len() as u64, "runs"));
@@ -76,10 +76,7 @@ fn run_all(
 }
 
 pub(crate) fn main(args: &SweepArgs, name: &str, configs: Vec<(String, SimConfig)>) -> ExitCode {
-    let jobs = args
-        .jobs
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let reports = match run_all(&configs, jobs, args.run.progress()) {
+    let reports = match run_all(&configs, &args.batch) {
         Ok(r) => r,
         Err(e) => {
             eprintln!("kvsim: {e}");
@@ -103,7 +100,7 @@ pub(crate) fn main(args: &SweepArgs, name: &str, configs: Vec<(String, SimConfig
             return ExitCode::from(2);
         }
     }
-    if args.run.json() {
+    if args.batch.run.json() {
         println!(
             "{}",
             serde_json::to_string_pretty(&rows).unwrap_or_default()
@@ -123,8 +120,14 @@ fn to_csv(rows: &[Row]) -> String {
     let mut s = String::from(
         "param,value,request_hit_rate,block_reuse,per_instance_hit_rate_min,per_instance_hit_rate_max,\
          load_balance,ttft_p50_ms,ttft_p99_ms,itl_p99_ms,makespan_s,evictions,completed,rejected,\
-         decode_block_reuse,decode_load_balance,transfer_p99_ms\n",
+         decode_block_reuse,decode_load_balance,transfer_p99_ms",
     );
+    let slo = rows.iter().any(|r| r.slo_attainment.is_some());
+    s.push_str(if slo {
+        ",slo_attainment,goodput_rps\n"
+    } else {
+        "\n"
+    });
     for r in rows {
         let _ = writeln!(
             s,
@@ -147,6 +150,10 @@ fn to_csv(rows: &[Row]) -> String {
             opt(r.decode_load_balance, 4),
             opt(r.transfer_p99_ms, 3)
         );
+        if slo {
+            s.pop();
+            let _ = writeln!(s, ",{},{}", opt(r.slo_attainment, 6), opt(r.goodput_rps, 4));
+        }
     }
     s
 }
@@ -157,6 +164,7 @@ fn opt(v: Option<f64>, digits: usize) -> String {
 
 fn to_table(name: &str, fleet: &str, rows: &[Row]) -> String {
     let pd = rows.iter().any(|r| r.decode_block_reuse.is_some());
+    let slo = rows.iter().any(|r| r.slo_attainment.is_some());
     let w = rows
         .iter()
         .map(|r| r.value.len())
@@ -166,13 +174,14 @@ fn to_table(name: &str, fleet: &str, rows: &[Row]) -> String {
     let mut s = format!("  Sweep of {name} over {} value(s) | {fleet}\n", rows.len());
     let _ = writeln!(
         s,
-        "  {name:>w$}  hit-rate  block-reuse  per-instance  balance     TTFT p50     TTFT p99    ITL p99   makespan{}",
-        if pd { "  decode-reuse  decode-balance  transfer p99" } else { "" }
+        "  {name:>w$}  hit-rate  block-reuse  per-instance  balance     TTFT p50     TTFT p99    ITL p99   makespan{}{}",
+        if pd { "  decode-reuse  decode-balance  transfer p99" } else { "" },
+        if slo { "  SLO-attained     goodput" } else { "" }
     );
     for r in rows {
         let _ = writeln!(
             s,
-            "  {:>w$}  {:>7.1}%  {:>10.1}%  {:>12}  {:>7.2}  {:>8.0} ms  {:>8.0} ms  {:>6.1} ms  {:>8.1} s{}{}",
+            "  {:>w$}  {:>7.1}%  {:>10.1}%  {:>12}  {:>7.2}  {:>8.0} ms  {:>8.0} ms  {:>6.1} ms  {:>8.1} s{}{}{}",
             r.value,
             r.request_hit_rate * 100.0,
             r.block_reuse * 100.0,
@@ -184,6 +193,10 @@ fn to_table(name: &str, fleet: &str, rows: &[Row]) -> String {
             r.makespan_s,
             match (r.decode_block_reuse, r.decode_load_balance, r.transfer_p99_ms) {
                 (Some(reuse), Some(bal), Some(t)) => format!("  {:>11.1}%  {bal:>14.2}  {t:>9.1} ms", reuse * 100.0),
+                _ => String::new(),
+            },
+            match (r.slo_attainment, r.goodput_rps) {
+                (Some(a), Some(g)) => format!("  {:>11.1}%  {g:>6.2}/s", a * 100.0),
                 _ => String::new(),
             },
             if r.load_balance > kvsim::HOT_SPOT_THRESHOLD { "  hot spot" } else { "" }

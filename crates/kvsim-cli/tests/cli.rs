@@ -132,6 +132,13 @@ fn bad_flags_exit_2_with_one_line_naming_the_flag() {
         (&["--predicted-ttl-ms", "-5"][..], "--predicted-ttl-ms"),
         (&["--host-hit-credit", "2"][..], "--host-hit-credit"),
         (&["--host-load-gbps", "0"][..], "--host-load-gbps"),
+        (&["--slo-ttft-ms", "0"][..], "--slo-ttft-ms"),
+        (&["--kv-allocation", "lazy"][..], "reserve or incremental"),
+        (&["--concurrency", "0"][..], "--concurrency"),
+        (&["--pd-link", "fair"][..], "per-transfer or shared"),
+        (&["--think-ms", "-5", "--sessions", "3"][..], "--think-ms"),
+        (&["--turns", "3"][..], "--turns"),
+        (&["--slo-itl-ms", "abc"][..], "--slo-itl-ms"),
         (&["--no-such-flag"][..], "--no-such-flag"),
     ] {
         let (code, out, err) = kvsim(args);
@@ -155,4 +162,339 @@ fn help_explains_and_exits_0() {
     ] {
         assert!(out.contains(flag), "--help lacks {flag}");
     }
+    for flag in [
+        "--sessions",
+        "--turns",
+        "--think-ms",
+        "--concurrency",
+        "--kv-allocation",
+        "--pd-link",
+        "--timing <MODEL>",
+        "--slo-e2e-ms",
+    ] {
+        assert!(out.contains(flag), "--help lacks {flag}");
+    }
+    let (code, out, _) = kvsim(&["capacity", "--help"]);
+    assert_eq!(code, 0);
+    for flag in [
+        "--find",
+        "--attainment",
+        "--runs",
+        "--probes",
+        "--plot",
+        "--jobs",
+        "--slo-itl-ms",
+        "mean gap",
+    ] {
+        assert!(out.contains(flag), "capacity --help lacks {flag}");
+    }
+}
+
+#[test]
+fn slo_targets_add_one_line_and_a_json_part() {
+    let (code, plain, _) = kvsim(DOC);
+    assert_eq!(code, 0);
+    let mut args = DOC.to_vec();
+    args.extend(["--slo-ttft-ms", "100", "--slo-itl-ms", "10"]);
+    let (code, out, err) = kvsim(&args);
+    assert_eq!(code, 0, "{err}");
+    let extra: Vec<&str> = out.lines().filter(|l| !plain.contains(l)).collect();
+    assert_eq!(extra.len(), 1, "{out}");
+    assert!(
+        extra[0].starts_with("  SLO attainment: TTFT <= 100 ms ")
+            && extra[0].contains("ITL <= 10 ms (mean per request)")
+            && extra[0].contains("goodput"),
+        "{out}"
+    );
+    args.extend(["--format", "json"]);
+    let (_, out, _) = kvsim(&args);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["slo"]["ttft_ms"], 100.0);
+    assert!(v["slo"]["e2e_attainment"].is_null());
+    let (_, out, _) = kvsim(&["--des-num-requests", "20", "--format", "json"]);
+    assert!(!out.contains("\"slo\""));
+}
+
+const CAPACITY: &[&str] = &[
+    "capacity",
+    "--slo-ttft-ms",
+    "200",
+    "--slo-itl-ms",
+    "50",
+    "--des-num-requests",
+    "80",
+    "--des-block-size",
+    "512",
+    "--runs",
+    "9",
+    "--quiet",
+];
+
+#[test]
+fn capacity_search_is_deterministic_whatever_the_threads() {
+    let mut one = CAPACITY.to_vec();
+    one.extend(["--jobs", "1"]);
+    let (code, a, err) = kvsim(&one);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("9 runs in 3 rounds"), "{err}");
+    let mut three = CAPACITY.to_vec();
+    three.extend(["--jobs", "3"]);
+    let (_, b, _) = kvsim(&three);
+    assert_eq!(a, b);
+    assert!(a.starts_with("  Capacity search: highest request rate with >= 99.0% of requests within TTFT <= 200 ms, ITL <= 50 ms | routing=kv"), "{a}");
+    assert_eq!(
+        a.lines()
+            .filter(|l| l.ends_with("pass") || l.ends_with("FAIL"))
+            .count(),
+        9,
+        "{a}"
+    );
+    let answer = a.lines().last().unwrap();
+    assert!(
+        answer.starts_with("  Answer: ") && answer.contains(" req/s sustained ("),
+        "{a}"
+    );
+    // JSON: the answer passes, the first failure above it fails, and nothing between was tried.
+    let mut json = CAPACITY.to_vec();
+    json.extend(["--format", "json"]);
+    let (_, out, _) = kvsim(&json);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let (ans, fail) = (
+        v["answer"].as_f64().unwrap(),
+        v["first_failure"].as_f64().unwrap(),
+    );
+    assert!(ans < fail);
+    for p in v["probes"].as_array().unwrap() {
+        let x = p["x"].as_f64().unwrap();
+        assert_eq!(
+            p["pass"].as_bool().unwrap(),
+            p["attainment"].as_f64().unwrap() >= 0.99
+        );
+        assert!(!(x > ans && x < fail), "{x} inside the bracket");
+        if x == ans || x == fail {
+            assert_eq!(p["pass"].as_bool().unwrap(), x == ans);
+        }
+    }
+}
+
+#[test]
+fn capacity_finds_the_fewest_instances() {
+    let (code, out, err) = kvsim(&[
+        "capacity",
+        "--find",
+        "instances",
+        "--request-rate",
+        "30",
+        "--slo-ttft-ms",
+        "300",
+        "--des-num-requests",
+        "80",
+        "--des-block-size",
+        "512",
+        "--quiet",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let n = v["answer"].as_f64().unwrap();
+    let probes = v["probes"].as_array().unwrap();
+    // The answer passes and one fewer instance was tried and fails (or the answer is 1).
+    let verdict = |x: f64| {
+        probes
+            .iter()
+            .find(|p| p["x"] == x)
+            .map(|p| p["pass"].as_bool().unwrap())
+    };
+    assert_eq!(verdict(n), Some(true));
+    assert!(n == 1.0 || verdict(n - 1.0) == Some(false), "{out}");
+}
+
+#[test]
+fn capacity_refuses_bad_settings_in_one_line() {
+    for (args, needle) in [
+        (&["capacity"][..], "--slo-ttft-ms"),
+        (
+            &["capacity", "--slo-ttft-ms", "100", "--attainment", "1.5"][..],
+            "--attainment",
+        ),
+        (
+            &["capacity", "--slo-ttft-ms", "100", "--runs", "0"][..],
+            "--runs",
+        ),
+        (
+            &["capacity", "--slo-ttft-ms", "100", "--find", "speed"][..],
+            "--find",
+        ),
+        (
+            &["capacity", "--slo-ttft-ms", "100", "--concurrency", "4"][..],
+            "--concurrency",
+        ),
+        (
+            &[
+                "capacity",
+                "--slo-ttft-ms",
+                "100",
+                "--find",
+                "instances",
+                "--des-prefill-instances",
+                "1",
+                "--des-decode-instances",
+                "1",
+            ][..],
+            "--find instances",
+        ),
+    ] {
+        let (code, out, err) = kvsim(args);
+        assert_eq!(code, 2, "{args:?}");
+        assert!(out.is_empty(), "{args:?}");
+        assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn calibrate_prints_flags_a_run_accepts() {
+    // Steps of the default linear model (7050, 19.5, 25.4, 0.04) with +-1% deterministic noise.
+    let mut csv = String::from("prefill_tokens,decode_requests,context_tokens,step_us\n");
+    let mut s = 0x2545_f491_4f6c_dd1du64;
+    let mut next = |n: u64| {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s % n
+    };
+    for i in 0..3000u64 {
+        let p = if i % 3 == 1 { 0 } else { next(8192) };
+        let d = if i % 3 == 0 { 0 } else { 1 + next(255) };
+        let c = d * (64 + next(8000));
+        let t = (7050.0 + 19.5 * p as f64 + 25.4 * d as f64 + 0.04 * c as f64)
+            * (0.99 + next(2001) as f64 / 100_000.0);
+        csv.push_str(&format!("{p},{d},{c},{t:.1}\n"));
+    }
+    let path = std::env::temp_dir().join(format!("kvsim-steps-{}.csv", std::process::id()));
+    std::fs::write(&path, csv).unwrap();
+    let (code, out, err) = kvsim(&["calibrate", "--steps", path.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    let flags = out
+        .lines()
+        .find_map(|l| l.strip_prefix("  Flags: "))
+        .expect(&out);
+    let words: Vec<&str> = flags.split(' ').collect();
+    for (flag, want) in [
+        ("--timing-base-us", 7050.0),
+        ("--timing-prefill-us", 19.5),
+        ("--timing-decode-us", 25.4),
+        ("--timing-context-us", 0.04),
+    ] {
+        let i = words.iter().position(|w| *w == flag).expect(flag);
+        let got: f64 = words[i + 1].parse().unwrap();
+        assert!((got - want).abs() / want < 0.01, "{flag} {got}");
+    }
+    assert!(out.contains("Mean absolute percentage error 0."), "{out}");
+    let mut run = words.clone();
+    run.extend(["--des-num-requests", "10"]);
+    let (code, _, err) = kvsim(&run);
+    assert_eq!(code, 0, "{err}");
+    std::fs::write(
+        &path,
+        "prefill_tokens,decode_requests,context_tokens,step_us\n1,2,3,4\n5,x,6,7\n",
+    )
+    .unwrap();
+    let (code, out, err) = kvsim(&["calibrate", "--steps", path.to_str().unwrap()]);
+    assert_eq!((code, out.as_str()), (2, ""));
+    assert_eq!(err.lines().count(), 1);
+    assert!(
+        err.contains("--steps ") && err.contains(".csv:3: decode_requests \"x\""),
+        "{err}"
+    );
+    std::fs::remove_file(&path).ok();
+}
+
+#[test]
+fn incremental_allocation_counts_preemptions() {
+    let small = [
+        "--des-kv-blocks",
+        "300",
+        "--request-rate",
+        "20",
+        "--des-num-requests",
+        "200",
+        "--input-len",
+        "256",
+        "--des-prefix-len",
+        "128",
+        "--output-len",
+        "1024",
+    ];
+    let mut args = small.to_vec();
+    args.extend(["--kv-allocation", "incremental"]);
+    let (code, out, err) = kvsim(&args);
+    assert_eq!(code, 0, "{err}");
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("  Preemptions (incremental KV allocation): "))
+        .expect(&out);
+    let n: u64 = line
+        .split(": ")
+        .nth(1)
+        .unwrap()
+        .split(',')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(n > 0, "{line}");
+    args.extend(["--format", "json"]);
+    let (_, out, _) = kvsim(&args);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["preemptions"].as_u64(), Some(n));
+    assert!(v["recomputed_tokens"].as_u64().unwrap() > 0);
+    let mut reserve = small.to_vec();
+    reserve.extend(["--format", "json"]);
+    let (_, out, _) = kvsim(&reserve);
+    assert!(!out.contains("preemptions") && !out.contains("recomputed_tokens"));
+}
+
+#[test]
+fn sessions_report_per_turn_hits_and_concurrency_runs() {
+    let (code, out, err) = kvsim(&[
+        "--sessions",
+        "40",
+        "--turns",
+        "3",
+        "--think-ms",
+        "500",
+        "--request-rate",
+        "4",
+        "--des-block-size",
+        "64",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("  Fleet: 4 instance(s), routing=kv | 40 sessions x 3 turns, think 500 ms, prefix pool: 8 prefixes\n"), "{out}");
+    assert!(out.contains("  Requests: 120 completed"), "{out}");
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("  Per turn: turn 1 hit rate "))
+        .expect(&out);
+    assert!(
+        line.contains("(40 requests) | later turns hit rate ") && line.ends_with("(80 requests)"),
+        "{line}"
+    );
+    let (code, out, err) = kvsim(&[
+        "--concurrency",
+        "4",
+        "--des-num-requests",
+        "40",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["completed"], 40);
+    assert!(v["content"]
+        .as_str()
+        .unwrap()
+        .ends_with(", closed loop at concurrency 4"));
+    assert!(v.get("turns").is_none());
 }

@@ -8,8 +8,10 @@ use std::sync::Arc;
 use kvblock::BlockSize;
 use kvroute::{CostModel, Policy};
 
+use crate::engine::KvAllocation;
 use crate::error::Error;
-use crate::timing::LinearTiming;
+use crate::slo::Slo;
+use crate::timing::{LinearTiming, PolynomialTiming, TimingKind};
 use crate::trace::{Trace, MAX_TOKENS};
 /// Engines per pool above this are refused.
 const MAX_ENGINES: usize = 1 << 16;
@@ -96,6 +98,39 @@ impl FromStr for Popularity {
     }
 }
 
+/// How concurrent prefill-to-decode KV transfers use bandwidth.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum PdLink {
+    /// Every transfer gets the whole `pd_transfer_gbps`, however many run at once.
+    #[default]
+    PerTransfer,
+    /// The transfers leaving one prefill engine share its `pd_transfer_gbps` equally (each of
+    /// `k` concurrent ones gets `1/k`, recomputed whenever one starts or ends); the fixed
+    /// latency follows each transfer's last bit.
+    Shared,
+}
+
+impl fmt::Display for PdLink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            PdLink::PerTransfer => "per-transfer",
+            PdLink::Shared => "shared",
+        })
+    }
+}
+
+impl FromStr for PdLink {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s {
+            "per-transfer" => Ok(PdLink::PerTransfer),
+            "shared" => Ok(PdLink::Shared),
+            _ => Err(Error::invalid("pd_link", s, "per-transfer or shared")),
+        }
+    }
+}
+
 /// How a trace's requests are timed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
@@ -175,8 +210,17 @@ pub struct SimConfig {
     pub max_batched_tokens: usize,
     /// Running requests per engine (`--max-num-seqs`).
     pub max_num_seqs: usize,
+    /// Reserve each request's blocks at admission, or allocate them as it decodes and preempt
+    /// the newest request when none is free (`--kv-allocation`).
+    pub kv_allocation: KvAllocation,
     /// The default timing model's coefficients (`--timing-*`).
     pub timing: LinearTiming,
+    /// Which timing model the engines use (`--timing`): `timing` or `polynomial`.
+    pub timing_kind: TimingKind,
+    /// The polynomial model's settings, used when `timing_kind` is `Polynomial`; its KV
+    /// capacity is replaced by `kv_blocks` times the block size when `kv_blocks` is set
+    /// (`--timing-kv-tokens`).
+    pub polynomial: PolynomialTiming,
     /// Routing policy (`--des-routing`).
     pub routing: Policy,
     /// The `kv` policy's overlap weight (`--des-overlap-weight`).
@@ -201,6 +245,8 @@ pub struct SimConfig {
     pub pd_transfer_gbps: f64,
     /// Fixed latency of a prefill-to-decode transfer, microseconds (`--pd-transfer-latency-us`).
     pub pd_transfer_latency_us: u64,
+    /// Whether concurrent transfers from one prefill engine share its link (`--pd-link`).
+    pub pd_link: PdLink,
     /// KV cache bytes per token (`--kv-bytes-per-token`; 131,072 is an 8B model with
     /// grouped-query attention in 16-bit: 32 layers x 8 KV heads x 128 dims x 2 (K, V) x 2 bytes).
     pub kv_bytes_per_token: u64,
@@ -237,6 +283,25 @@ pub struct SimConfig {
     pub trace_speedup: f64,
     /// Keep the trace's timestamps or re-time arrivals (`--trace-timing`).
     pub trace_timing: TraceTiming,
+    /// Synthetic multi-turn conversations (`--sessions`): this many sessions of `turns` turns
+    /// replace the single-turn requests (`num_requests` is then unused). A session starts at
+    /// an arrival of the arrival model (at `request_rate` sessions per second) with a prefix
+    /// of the pool and `input_len - prefix_len` new tokens; each later turn is sent
+    /// `think_us` after the previous one finished, its prompt the previous prompt, its answer
+    /// (`output_len` tokens) and `input_len - prefix_len` new tokens, so prefixes grow as in
+    /// a chat.
+    pub sessions: Option<usize>,
+    /// Turns per synthetic session (`--turns`).
+    pub turns: usize,
+    /// Think time between a synthetic turn's end and the next turn, µs (`--think-ms` × 1000).
+    pub think_us: u64,
+    /// Closed loop at a fixed concurrency (`--concurrency`): this many requests in flight,
+    /// a new one sent as soon as one finishes (or is rejected), arrival times and trace
+    /// timestamps ignored; sessions keep their turn order and think times.
+    pub concurrency: Option<usize>,
+    /// Latency targets; when any is set the report adds their attainment and the goodput
+    /// (`--slo-ttft-ms`, `--slo-itl-ms`, `--slo-e2e-ms`).
+    pub slo: Slo,
 }
 
 impl Default for SimConfig {
@@ -257,7 +322,10 @@ impl Default for SimConfig {
             kv_blocks: None,
             max_batched_tokens: 8192,
             max_num_seqs: 256,
+            kv_allocation: KvAllocation::Reserve,
             timing: LinearTiming::default(),
+            timing_kind: TimingKind::Linear,
+            polynomial: PolynomialTiming::default(),
             routing: Policy::Kv,
             overlap_weight: 1.0,
             prefix_aware_blocks: 1,
@@ -268,6 +336,7 @@ impl Default for SimConfig {
             decode_overlap_weight: None,
             pd_transfer_gbps: 400.0,
             pd_transfer_latency_us: 100,
+            pd_link: PdLink::PerTransfer,
             kv_bytes_per_token: 131_072,
             routers: 1,
             cost_model: CostModel::Seed,
@@ -281,6 +350,11 @@ impl Default for SimConfig {
             trace: None,
             trace_speedup: 1.0,
             trace_timing: TraceTiming::Keep,
+            slo: Slo::default(),
+            sessions: None,
+            turns: 1,
+            think_us: 0,
+            concurrency: None,
         }
     }
 }
@@ -331,6 +405,23 @@ impl SimConfig {
         (bytes / self.host_load_gbps).round() as u64
     }
 
+    /// The polynomial model as the engines use it: its KV capacity is the engines' when bounded.
+    pub fn polynomial_timing(&self) -> PolynomialTiming {
+        let mut p = self.polynomial;
+        if let Some(k) = self.kv_blocks {
+            p.kv_capacity_tokens = (k as u64).saturating_mul(self.block_size.get() as u64);
+        }
+        p
+    }
+
+    /// Whether requests are sent in a closed loop (sessions, a trace with `session_id`s, or a
+    /// fixed concurrency) rather than at their arrival times.
+    pub fn closed_loop(&self) -> bool {
+        self.sessions.is_some()
+            || self.concurrency.is_some()
+            || self.trace.as_ref().is_some_and(|t| t.has_sessions())
+    }
+
     /// Whether prefill and decode run on separate pools.
     pub fn disaggregated(&self) -> bool {
         self.prefill_instances.is_some() || self.decode_instances.is_some()
@@ -345,8 +436,12 @@ impl SimConfig {
         }
     }
 
-    /// Requests a run simulates: `num_requests`, or fewer when the trace is shorter.
+    /// Requests a run simulates: `num_requests`, or fewer when the trace is shorter, or
+    /// sessions times turns.
     pub fn request_count(&self) -> usize {
+        if let Some(n) = self.sessions {
+            return n.saturating_mul(self.turns);
+        }
         match &self.trace {
             Some(t) => self.num_requests.min(t.requests().len()),
             None => self.num_requests,
@@ -518,6 +613,48 @@ impl SimConfig {
             }
         }
         self.timing.validate()?;
+        self.polynomial.validate()?;
+        self.slo.validate()?;
+        if let Some(n) = self.sessions {
+            at_least_one("sessions", n)?;
+            at_most("sessions", n, 1 << 20)?;
+            if self.trace.is_some() {
+                return Err(Error::invalid(
+                    "sessions",
+                    n,
+                    "no trace: a trace brings its own sessions (session_id)",
+                ));
+            }
+        } else if self.turns != 1 || self.think_us != 0 {
+            let (setting, v) = if self.turns != 1 {
+                ("turns", self.turns.to_string())
+            } else {
+                ("think_us", self.think_us.to_string())
+            };
+            return Err(Error::invalid(
+                setting,
+                v,
+                "sessions set (they describe synthetic sessions)",
+            ));
+        }
+        at_least_one("turns", self.turns)?;
+        at_most("turns", self.turns, 4096)?;
+        if self.sessions.is_some() {
+            let grow = self.output_len + self.input_len.saturating_sub(self.prefix_len);
+            let last = self.input_len + (self.turns - 1).saturating_mul(grow);
+            if last > MAX_TOKENS {
+                return Err(Error::invalid(
+                    "turns",
+                    self.turns,
+                    format!(
+                        "few enough that the last prompt ({last} tokens) stays within {MAX_TOKENS}"
+                    ),
+                ));
+            }
+        }
+        if let Some(n) = self.concurrency {
+            at_least_one("concurrency", n)?;
+        }
         Ok(())
     }
 }

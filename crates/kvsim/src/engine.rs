@@ -45,6 +45,54 @@ impl std::fmt::Display for Pool {
     }
 }
 
+/// How an engine allocates a request's KV blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum KvAllocation {
+    /// At admission, every block the request will ever need (prompt and output): it never
+    /// waits for memory once running, but memory sits reserved and unused.
+    #[default]
+    Reserve,
+    /// As vLLM: the prompt's blocks at admission, then one block whenever a decoding request's
+    /// context crosses a block boundary. When no block is free (nothing evictable), the newest
+    /// running request is preempted: it gives back its blocks and pins and goes back to the
+    /// front of the queue; when scheduled again it recomputes its prompt and the tokens it had
+    /// produced (less what is still cached) as one prefill, then decodes the rest.
+    Incremental,
+}
+
+impl KvAllocation {
+    /// The name the CLI uses: `reserve` or `incremental`.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvAllocation::Reserve => "reserve",
+            KvAllocation::Incremental => "incremental",
+        }
+    }
+}
+
+impl std::fmt::Display for KvAllocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for KvAllocation {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> Result<Self, crate::Error> {
+        match s {
+            "reserve" => Ok(KvAllocation::Reserve),
+            "incremental" => Ok(KvAllocation::Incremental),
+            _ => Err(crate::Error::invalid(
+                "kv_allocation",
+                s,
+                "reserve or incremental",
+            )),
+        }
+    }
+}
+
 /// The settings of one engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -64,6 +112,8 @@ pub struct EngineConfig {
     /// Nanoseconds to load one block from the host tier back to the device; the load stalls
     /// the step that starts after the admission.
     pub host_load_ns_per_block: u64,
+    /// Reserve a request's blocks at admission, or allocate as it decodes and preempt.
+    pub kv_allocation: KvAllocation,
 }
 
 impl EngineConfig {
@@ -78,6 +128,7 @@ impl EngineConfig {
             max_num_seqs: 256,
             host_kv_blocks: None,
             host_load_ns_per_block: 0,
+            kv_allocation: KvAllocation::Reserve,
         }
     }
 }
@@ -169,6 +220,20 @@ struct Running {
     output: usize,
     /// Blocks it occupies on this engine (prompt and, unless a prefill engine, output).
     mem_blocks: usize,
+    /// Blocks counted for it in the engine's `private` (bounded engines): reserved at
+    /// admission, less the prompt blocks that moved into the cache, plus blocks grown since.
+    alloc: usize,
+    /// Scheduled (prefilling or decoding), not waiting.
+    scheduled: bool,
+    /// Admission order (the newest scheduled request is preempted first).
+    seq: u64,
+    /// Its first token has been produced (a re-admission after preemption does not repeat it).
+    first_done: bool,
+    /// Step count when it started decoding, the step that produces its last token, and the
+    /// step count at whose next plan it needs another block (incremental allocation).
+    decode_start: u64,
+    finish_at: u64,
+    next_grow: u64,
     hits: usize,
     prefill_left: usize,
     decoding: bool,
@@ -237,6 +302,12 @@ pub struct Engine {
     /// not depend on slot reuse.
     finishing: BinaryHeap<Reverse<(u64, u64, usize)>>,
     steps: u64,
+    /// Incremental allocation: (step count at whose next plan it needs a block, id, slot) of
+    /// decoding requests; entries a preemption or finish made stale are skipped.
+    grow: BinaryHeap<Reverse<(u64, u64, usize)>>,
+    admissions: u64,
+    preemptions: u64,
+    recomputed_tokens: u64,
     busy: bool,
     chunks: Vec<(usize, usize)>,
     step_decode: usize,
@@ -296,6 +367,10 @@ impl Engine {
             context: 0,
             finishing: BinaryHeap::new(),
             steps: 0,
+            grow: BinaryHeap::new(),
+            admissions: 0,
+            preemptions: 0,
+            recomputed_tokens: 0,
             busy: false,
             chunks: Vec::new(),
             step_decode: 0,
@@ -356,6 +431,17 @@ impl Engine {
         self.busy_us
     }
 
+    /// Requests preempted so far (incremental allocation).
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions
+    }
+
+    /// Prefill tokens computed by requests scheduled again after a preemption: their prompt
+    /// and the tokens they had produced, less what was still cached.
+    pub fn recomputed_tokens(&self) -> u64 {
+        self.recomputed_tokens
+    }
+
     /// Prompt stores the cache refused as inconsistent with what it holds (0 unless two
     /// prompts disagree about a block's parent).
     pub fn inconsistent_inserts(&self) -> u64 {
@@ -385,6 +471,13 @@ impl Engine {
             input: req.input_len,
             output: req.output_len,
             mem_blocks,
+            alloc: 0,
+            scheduled: false,
+            seq: 0,
+            first_done: false,
+            decode_start: 0,
+            finish_at: 0,
+            next_grow: 0,
             hits: 0,
             prefill_left: req.input_len,
             decoding: false,
@@ -421,6 +514,9 @@ impl Engine {
     /// Starts the next step, if anything is scheduled: prefill chunks under the token budget
     /// and one decode token per decoding request.
     pub fn plan_step(&mut self) -> Option<PlannedStep> {
+        if !self.grow.is_empty() {
+            self.grow_blocks();
+        }
         if self.prefilling.is_empty() && self.decoding == 0 {
             return None;
         }
@@ -473,11 +569,17 @@ impl Engine {
         {
             return 0;
         }
-        match self.finishing.peek() {
+        let quiet = match self.finishing.peek() {
             // The step in progress is number `steps + 1`; the first that finishes a request is
             // not quiet.
             Some(&Reverse((step, _, _))) => step.saturating_sub(self.steps + 1),
             None => 0,
+        };
+        match self.grow.peek() {
+            // Planning the step after step count `at` allocates a block (and may evict or
+            // preempt): the steps planned ahead stop before it.
+            Some(&Reverse((at, _, _))) => quiet.min(at.saturating_sub(self.steps + 1)),
+            None => quiet,
         }
     }
 
@@ -572,12 +674,18 @@ impl Engine {
         self.blocked = false;
         // Every request that was decoding in this step produced one token.
         self.context += self.step_decode as u64;
-        while let Some(&Reverse((step, _, s))) = self.finishing.peek() {
+        while let Some(&Reverse((step, id, s))) = self.finishing.peek() {
             if step > self.steps {
                 break;
             }
             self.finishing.pop();
-            self.finish(s);
+            // A preempted request's entry is stale (it finishes later, or elsewhere).
+            if self.slots[s]
+                .as_ref()
+                .is_some_and(|r| r.id == id && r.decoding && r.finish_at == step)
+            {
+                self.finish(s);
+            }
         }
         for i in 0..self.chunks.len() {
             let (s, chunk) = self.chunks[i];
@@ -655,7 +763,12 @@ impl Engine {
         // The leading run resident now (engine truth), pinned so it stays while the request runs.
         r.held.clear();
         let hits = self.cache.pin_into(&r.blocks, &mut r.held);
-        let need = r.mem_blocks - hits;
+        let total = match self.cfg.kv_allocation {
+            // The prompt's blocks only; the rest as decoding goes.
+            KvAllocation::Incremental => self.cfg.block_size.blocks_for(r.input),
+            _ => r.mem_blocks,
+        };
+        let need = total - hits;
         // The cache gets whatever the running requests, this one included, do not hold privately.
         if !resize(&mut self.cache, self.cfg.kv_blocks, self.private + need) {
             if let Some(r) = self.slots[s].as_mut() {
@@ -673,6 +786,22 @@ impl Engine {
         };
         let id = r.id;
         r.hits = hits;
+        r.alloc = if self.cfg.kv_blocks.is_some() {
+            need
+        } else {
+            0
+        };
+        r.scheduled = true;
+        self.admissions += 1;
+        r.seq = self.admissions;
+        if r.first_done {
+            // Scheduled again after a preemption: it recomputes what it lost, as a prefill.
+            let cached_tokens = (hits * bs).min(r.input.saturating_sub(1));
+            r.prefill_left = r.input - cached_tokens;
+            self.recomputed_tokens += r.prefill_left as u64;
+            self.prefilling.push_back(s);
+            return true;
+        }
         self.outcomes.push(Outcome::Admitted {
             id,
             cached_blocks: hits,
@@ -681,6 +810,9 @@ impl Engine {
             // The prompt's KV arrived by transfer: it becomes resident now and decoding starts.
             self.store_prompt(s);
             self.outcomes.push(Outcome::FirstToken { id });
+            if let Some(r) = self.slots[s].as_mut() {
+                r.first_done = true;
+            }
             self.start_decoding(s);
             return true;
         }
@@ -708,6 +840,7 @@ impl Engine {
         };
         if self.cfg.kv_blocks.is_some() {
             self.private -= r.blocks.len() - r.hits;
+            r.alloc -= r.blocks.len() - r.hits;
             resize(&mut self.cache, self.cfg.kv_blocks, self.private);
         }
         let mut chain = std::mem::take(&mut r.held);
@@ -739,14 +872,18 @@ impl Engine {
             // The prefill engine lets go of the request; its KV moves to a decode engine.
             Self::unpin_request(&mut self.cache, r);
             if self.cfg.kv_blocks.is_some() {
-                self.private -= r.mem_blocks - r.blocks.len();
+                self.private -= r.alloc;
                 resize(&mut self.cache, self.cfg.kv_blocks, self.private);
             }
             let blocks = self.release(s);
             self.outcomes.push(Outcome::PrefillDone { id, blocks });
             return;
         }
-        self.outcomes.push(Outcome::FirstToken { id });
+        if let Some(r) = self.slots[s].as_mut() {
+            if !std::mem::replace(&mut r.first_done, true) {
+                self.outcomes.push(Outcome::FirstToken { id });
+            }
+        }
         if output <= 1 {
             self.finish(s);
         } else {
@@ -767,8 +904,104 @@ impl Engine {
         self.ahead.clear();
         self.decoding += 1;
         self.context += (r.input + 1) as u64;
-        self.finishing
-            .push(Reverse((self.steps + (r.output as u64 - 1), r.id, s)));
+        r.decode_start = self.steps;
+        r.finish_at = self.steps + (r.output as u64 - 1);
+        self.finishing.push(Reverse((r.finish_at, r.id, s)));
+        if self.cfg.kv_allocation == KvAllocation::Incremental && self.cfg.kv_blocks.is_some() {
+            let held = r.blocks.len() + r.alloc;
+            let at = (held * self.cfg.block_size.get()) as u64 + self.steps - r.input as u64;
+            Self::schedule_grow(&mut self.grow, r, s, at);
+        }
+    }
+
+    /// Queues the request's next block allocation at step count `at`, unless it would come
+    /// after its last decode step. The decode step after step count `n` computes the KV of
+    /// its context `input + n - decode_start`.
+    fn schedule_grow(
+        grow: &mut BinaryHeap<Reverse<(u64, u64, usize)>>,
+        r: &mut Running,
+        s: usize,
+        at: u64,
+    ) {
+        if at < r.finish_at {
+            r.next_grow = at;
+            grow.push(Reverse((at, r.id, s)));
+        }
+    }
+
+    /// Incremental allocation, before planning a step: every decoding request whose context
+    /// crosses into a new block gets one; when none is free the newest scheduled request is
+    /// preempted, until the block fits or the request needing it was the one preempted.
+    fn grow_blocks(&mut self) {
+        while let Some(&Reverse((at, id, s))) = self.grow.peek() {
+            if at > self.steps {
+                break;
+            }
+            self.grow.pop();
+            let live = self.slots[s]
+                .as_ref()
+                .is_some_and(|r| r.id == id && r.decoding && r.next_grow == at);
+            if !live {
+                continue;
+            }
+            loop {
+                if resize(&mut self.cache, self.cfg.kv_blocks, self.private + 1) {
+                    self.private += 1;
+                    let bs = self.cfg.block_size.get() as u64;
+                    if let Some(r) = self.slots[s].as_mut() {
+                        r.alloc += 1;
+                        Self::schedule_grow(&mut self.grow, r, s, at + bs);
+                    }
+                    break;
+                }
+                let newest = self
+                    .slots
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, r)| r.as_ref().filter(|r| r.scheduled).map(|r| (r.seq, i)))
+                    .max();
+                let Some((_, v)) = newest else { break };
+                self.preempt(v);
+                if v == s {
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Sends a scheduled request back to the front of the queue, giving back its blocks and
+    /// pins; what it produced is kept (a re-admission recomputes it as part of its prompt).
+    fn preempt(&mut self, v: usize) {
+        let Some(r) = self.slots[v].as_mut() else {
+            return;
+        };
+        r.scheduled = false;
+        if std::mem::take(&mut r.decoding) {
+            self.ahead_pos = 0;
+            self.ahead.clear();
+            self.decoding -= 1;
+            // The first token and one per decode step since: they become prompt tokens.
+            let produced = 1 + (self.steps - r.decode_start) as usize;
+            self.context -= (r.input + produced) as u64;
+            r.input += produced;
+            r.output -= produced;
+            Self::unpin_request(&mut self.cache, r);
+        } else {
+            if let Some(i) = self.prefilling.iter().position(|&x| x == v) {
+                self.prefilling.remove(i);
+            }
+            self.cache.unpin_slots(&r.blocks[..r.hits], &r.held);
+        }
+        r.held.clear();
+        r.hits = 0;
+        r.prefill_left = r.input;
+        if self.cfg.kv_blocks.is_some() {
+            self.private -= std::mem::take(&mut r.alloc);
+            resize(&mut self.cache, self.cfg.kv_blocks, self.private);
+        }
+        self.waiting.push_front(v);
+        self.blocked = false;
+        self.preemptions += 1;
     }
 
     fn finish(&mut self, s: usize) {
@@ -783,7 +1016,7 @@ impl Engine {
         }
         Self::unpin_request(&mut self.cache, r);
         if self.cfg.kv_blocks.is_some() {
-            self.private -= r.mem_blocks - r.blocks.len();
+            self.private -= r.alloc;
             resize(&mut self.cache, self.cfg.kv_blocks, self.private);
         }
         let id = r.id;
@@ -808,5 +1041,130 @@ fn resize(cache: &mut BlockCache, total: Option<usize>, private: usize) -> bool 
             Some(room) => cache.set_capacity(Some(room)).is_ok(),
             None => false,
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::timing::LinearTiming;
+    use proptest::prelude::*;
+
+    fn engine(bs: usize, kv: usize, alloc: KvAllocation) -> Engine {
+        let mut c = EngineConfig::new(BlockSize::new(bs).unwrap());
+        c.kv_blocks = Some(kv);
+        c.kv_allocation = alloc;
+        Engine::new(c, LinearTiming::new(1_000.0, 1.0, 1.0, 0.0))
+    }
+
+    /// Runs the engine until nothing is left (at most `limit` steps), checking its invariants
+    /// after every step; returns the outcomes and the steps taken.
+    fn drain(e: &mut Engine, limit: u64) -> (Vec<Outcome>, u64) {
+        let mut out = Vec::new();
+        e.admit();
+        while e.plan_step().is_some() {
+            e.finish_step();
+            e.check_invariants().unwrap();
+            e.admit();
+            assert!(e.steps() <= limit, "no progress after {limit} steps");
+        }
+        e.take_outcomes(&mut out);
+        (out, e.steps())
+    }
+
+    /// Two requests of one 4-token block and 9 output tokens on 5 blocks of 4 tokens:
+    /// - both are admitted with their prompt block and prefilled in step 1;
+    /// - each grows a block before step 2 (context 5) and wants a third before step 6
+    ///   (context 9): A gets it (3 + 1 cached... 2 pinned + 3 private = 5), B, the newest, is
+    ///   preempted, having produced 5 tokens (the first and 4 decode steps);
+    /// - A finishes at step 9; B is admitted again with its prompt block still cached and
+    ///   recomputes 9 - 4 = 5 tokens in step 10, then decodes its last 3 tokens (steps 11-13).
+    ///
+    /// With reserve allocation B waits for A's 4 blocks instead: 9 + 9 steps, no preemption.
+    #[test]
+    fn preemption_by_hand() {
+        let bs = BlockSize::new(4).unwrap();
+        let hasher = kvblock::BlockHasher::new(bs);
+        let req = |id: u64, t: u32| {
+            let blocks = hasher.sequence_hashes(&[t, t, t, t]);
+            EngineRequest::new(id, blocks, 4, 9)
+        };
+        let mut e = engine(4, 5, KvAllocation::Incremental);
+        assert!(e.submit(req(1, 7)) && e.submit(req(2, 8)));
+        let (out, steps) = drain(&mut e, 100);
+        assert_eq!(
+            out,
+            [
+                Outcome::Admitted {
+                    id: 1,
+                    cached_blocks: 0
+                },
+                Outcome::Admitted {
+                    id: 2,
+                    cached_blocks: 0
+                },
+                Outcome::FirstToken { id: 1 },
+                Outcome::FirstToken { id: 2 },
+                Outcome::Finished { id: 1 },
+                Outcome::Finished { id: 2 },
+            ]
+        );
+        assert_eq!((steps, e.preemptions(), e.recomputed_tokens()), (13, 1, 5));
+        assert_eq!((e.reserved_blocks(), e.cache().pinned_blocks()), (0, 0));
+
+        let mut e = engine(4, 5, KvAllocation::Reserve);
+        assert!(e.submit(req(1, 7)) && e.submit(req(2, 8)));
+        let (_, steps) = drain(&mut e, 100);
+        assert_eq!((steps, e.preemptions()), (18, 0));
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(200))]
+        /// Incremental allocation on tiny caches: whatever arrives, the engine never deadlocks
+        /// (it runs dry within a bound), every request is refused at once or finishes exactly
+        /// once with one first token, and no block stays pinned or reserved.
+        #[test]
+        fn incremental_allocation_never_deadlocks(
+            kv in 2usize..24, bs in prop::sample::select(vec![1usize, 2, 4, 16]),
+            seqs in 1usize..6, budget in 8usize..64,
+            reqs in prop::collection::vec((0u32..4, 1usize..40, 1usize..40, 0u64..6), 1..24),
+        ) {
+            let mut c = EngineConfig::new(BlockSize::new(bs).unwrap());
+            c.kv_blocks = Some(kv);
+            c.kv_allocation = KvAllocation::Incremental;
+            c.max_num_seqs = seqs;
+            c.max_batched_tokens = budget.max(seqs + 1);
+            let mut e = Engine::new(c, LinearTiming::new(1_000.0, 1.0, 1.0, 0.0));
+            let hasher = kvblock::BlockHasher::new(c.block_size);
+            let mut accepted = Vec::new();
+            let mut out = Vec::new();
+            for (i, &(prefix, input, output, wait)) in reqs.iter().enumerate() {
+                // Prompts share a prefix by `prefix`, so pins overlap.
+                let tokens: Vec<u32> = (0..input as u32).map(|t| if t < 8 { prefix } else { t + 100 * i as u32 }).collect();
+                if e.submit(EngineRequest::new(i as u64, hasher.sequence_hashes(&tokens), input, output)) {
+                    accepted.push(i as u64);
+                } else {
+                    prop_assert!(e.blocks_needed(input, output) > kv);
+                }
+                for _ in 0..wait {
+                    e.admit();
+                    if e.plan_step().is_none() {
+                        break;
+                    }
+                    e.finish_step();
+                    e.check_invariants().map_err(TestCaseError::fail)?;
+                }
+            }
+            let (rest, _) = drain(&mut e, 1_000_000);
+            e.take_outcomes(&mut out);
+            out.extend(rest);
+            for id in &accepted {
+                let finished = out.iter().filter(|o| **o == Outcome::Finished { id: *id }).count();
+                let first = out.iter().filter(|o| **o == Outcome::FirstToken { id: *id }).count();
+                prop_assert_eq!((finished, first), (1, 1), "request {}", id);
+            }
+            prop_assert!(e.is_idle());
+            prop_assert_eq!((e.reserved_blocks(), e.cache().pinned_blocks()), (0, 0));
+        }
     }
 }

@@ -29,6 +29,13 @@ pub enum Error {
     /// A malformed trace.
     #[error(transparent)]
     Trace(#[from] TraceError),
+    /// A malformed step-times CSV (see [`parse_steps`](crate::parse_steps)): file, line, what.
+    #[error(transparent)]
+    Steps(TraceError),
+    /// Measured steps that do not determine the timing model (see
+    /// [`fit_linear`](crate::fit_linear)).
+    #[error("cannot fit the timing model: {0}")]
+    Fit(String),
     /// The router refused a setting.
     #[error(transparent)]
     Router(#[from] kvroute::Error),
@@ -48,7 +55,8 @@ impl Error {
     }
 }
 
-/// A malformed trace: the file, the 1-based line and what is wrong.
+/// A malformed input file (a trace, a step-times CSV): the file, the 1-based line and what is
+/// wrong.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct TraceError {

@@ -47,6 +47,7 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
+mod calibrate;
 mod config;
 mod engine;
 mod error;
@@ -55,20 +56,26 @@ mod report;
 mod requests;
 mod rng;
 mod sim;
+mod slo;
 mod stats;
 mod timing;
 mod trace;
 mod workload;
 
-pub use config::{ArrivalModel, Popularity, SimConfig, TraceTiming};
-pub use engine::{Engine, EngineConfig, EngineRequest, Outcome, PlannedStep, Pool};
+pub use calibrate::{fit_linear, load_steps, parse_steps, LinearFit, StepSample, STEPS_HEADER};
+pub use config::{ArrivalModel, PdLink, Popularity, SimConfig, TraceTiming};
+pub use engine::{Engine, EngineConfig, EngineRequest, KvAllocation, Outcome, PlannedStep, Pool};
 pub use error::{Error, TraceError};
 pub use kvroute::{CostModel, Policy};
-pub use report::{InstanceReport, PdReport, PoolReport, Report, TierReport, HOT_SPOT_THRESHOLD};
+pub use report::{
+    InstanceReport, PdReport, PoolReport, Report, TierReport, TurnReport, TurnsReport,
+    HOT_SPOT_THRESHOLD,
+};
 pub use requests::{
     measured_report, workload_requests, MeasuredRequest, PromptContent, WorkloadRequest,
 };
 pub use sim::Simulation;
+pub use slo::{Slo, SloReport};
 pub use stats::Summary;
-pub use timing::{LinearTiming, StepShape, TimingModel};
+pub use timing::{LinearTiming, PolynomialTiming, StepShape, TimingKind, TimingModel};
 pub use trace::{Lengths, Trace, TraceRequest, TraceStats, MAX_TOKENS};

@@ -7,7 +7,9 @@ use serde::Serialize;
 use kvroute::Policy;
 
 use crate::config::SimConfig;
+use crate::engine::KvAllocation;
 use crate::engine::Pool;
+use crate::slo::SloReport;
 use crate::stats::{ratio, Summary};
 
 /// Load balance (max over mean requests per instance) above which the report warns of
@@ -37,6 +39,8 @@ pub(crate) struct RequestRecord {
     pub(crate) first_token: u64,
     pub(crate) finish: u64,
     pub(crate) rejected: bool,
+    /// Its turn in its session, from 1 (1 in an open-loop run).
+    pub(crate) turn: u32,
 }
 
 /// What the simulator hands the report about one engine.
@@ -48,6 +52,8 @@ pub(crate) struct EngineRecord {
     /// Blocks its host tier holds at the end.
     pub(crate) host_blocks: usize,
     pub(crate) busy_us: u64,
+    pub(crate) preemptions: u64,
+    pub(crate) recomputed_tokens: u64,
 }
 
 /// Everything a finished run hands the report.
@@ -142,6 +148,74 @@ pub struct TierReport {
     pub host_hit_credit: f64,
 }
 
+/// Cache hits of the requests of some turns of their sessions (completed requests).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct TurnReport {
+    /// Completed requests.
+    pub requests: usize,
+    /// Share of them with at least one cached block.
+    pub request_hit_rate: f64,
+    /// Cached prompt blocks over all their full prompt blocks.
+    pub block_reuse: f64,
+    /// Mean cached prompt tokens per request.
+    pub avg_cached_tokens: f64,
+}
+
+/// Cache hits by turn of a multi-turn run: the first turns against the later ones, whose
+/// prompts extend a previous turn's.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct TurnsReport {
+    /// First turns.
+    pub first: TurnReport,
+    /// Every later turn.
+    pub later: TurnReport,
+    /// Turn 1, 2, ... in order.
+    pub by_turn: Vec<TurnReport>,
+}
+
+impl TurnsReport {
+    fn build(done: &[&RequestRecord], bs: usize) -> Self {
+        let of = |keep: &dyn Fn(u32) -> bool| {
+            let mine: Vec<&&RequestRecord> = done.iter().filter(|r| keep(r.turn)).collect();
+            let cached: usize = mine.iter().map(|r| r.hits).sum();
+            let prompt: usize = mine.iter().map(|r| r.prompt_blocks).sum();
+            TurnReport {
+                requests: mine.len(),
+                request_hit_rate: ratio(
+                    mine.iter().filter(|r| r.hits > 0).count() as f64,
+                    mine.len() as f64,
+                ),
+                block_reuse: ratio(cached as f64, prompt as f64),
+                avg_cached_tokens: ratio((cached * bs) as f64, mine.len() as f64),
+            }
+        };
+        let last = done.iter().map(|r| r.turn).max().unwrap_or(1);
+        TurnsReport {
+            first: of(&|t| t == 1),
+            later: of(&|t| t > 1),
+            by_turn: (1..=last).map(|k| of(&|t| t == k)).collect(),
+        }
+    }
+
+    fn to_text(&self) -> String {
+        let part = |name: &str, t: &TurnReport| {
+            format!(
+                "{name} hit rate {:.1}%, block-reuse {:.1}% ({} requests)",
+                t.request_hit_rate * 100.0,
+                t.block_reuse * 100.0,
+                t.requests
+            )
+        };
+        format!(
+            "  Per turn: {} | {}\n",
+            part("turn 1", &self.first),
+            part("later turns", &self.later)
+        )
+    }
+}
+
 /// The result of a run. The text form ([`to_text`](Self::to_text)) starts with the source
 /// document's three lines; the JSON form ([`to_json`](Self::to_json)) has every field below
 /// under the same name, with times in the unit its name ends with.
@@ -205,6 +279,21 @@ pub struct Report {
     pub per_instance: Vec<InstanceReport>,
     /// The prefill/decode split (`null` for a unified fleet).
     pub pd: Option<PdReport>,
+    /// Attainment of the latency targets and goodput; only present (in JSON too) when a
+    /// target is set.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slo: Option<SloReport>,
+    /// With incremental KV allocation: requests preempted (all engines); absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub preemptions: Option<u64>,
+    /// With incremental KV allocation: prefill tokens computed again by preempted requests
+    /// when scheduled again (their prompt and produced tokens, less what was still cached).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub recomputed_tokens: Option<u64>,
+    /// Multi-turn runs (synthetic sessions, a trace with sessions): cache hits by turn;
+    /// absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub turns: Option<TurnsReport>,
     /// Hits per tier (absent without a host tier).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tiers: Option<TierReport>,
@@ -320,6 +409,12 @@ impl Report {
             }
         });
         let mut itl = c.itl;
+        let incremental = cfg.kv_allocation == KvAllocation::Incremental;
+        let turns = cfg.sessions.is_some() || cfg.trace.as_ref().is_some_and(|t| t.has_sessions());
+        let slo = cfg
+            .slo
+            .is_set()
+            .then(|| SloReport::build(&cfg.slo, &c.requests, makespan_s));
         Report {
             instances: c.engines.len(),
             routers: cfg.routers,
@@ -349,6 +444,11 @@ impl Report {
             router_errors: c.router_errors + c.inconsistent_inserts,
             per_instance: per,
             pd,
+            slo,
+            preemptions: incremental.then(|| c.engines.iter().map(|e| e.preemptions).sum()),
+            recomputed_tokens: incremental
+                .then(|| c.engines.iter().map(|e| e.recomputed_tokens).sum()),
+            turns: turns.then(|| TurnsReport::build(&done, bs)),
             tiers,
         }
     }
@@ -449,6 +549,18 @@ impl Report {
                 s,
                 "  {name:<4} ms: mean {:.1}, p50 {:.1}, p90 {:.1}, p99 {:.1}",
                 m.mean, m.p50, m.p90, m.p99
+            );
+        }
+        if let Some(slo) = &self.slo {
+            s.push_str(&slo.to_text());
+        }
+        if let Some(t) = &self.turns {
+            s.push_str(&t.to_text());
+        }
+        if let (Some(p), Some(t)) = (self.preemptions, self.recomputed_tokens) {
+            let _ = writeln!(
+                s,
+                "  Preemptions (incremental KV allocation): {p}, {t} prefill tokens recomputed"
             );
         }
         let (min_r, max_r) = self

@@ -215,6 +215,7 @@ pub fn measured_report(
                 first_token: m.first_token_us.max(m.arrival_us),
                 finish: m.finish_us.max(m.first_token_us).max(m.arrival_us),
                 rejected: m.failed,
+                turn: 1,
             })
             .collect(),
         engines: vec![EngineRecord {
@@ -223,6 +224,8 @@ pub fn measured_report(
             resident_blocks: 0,
             host_blocks: 0,
             busy_us: 0,
+            preemptions: 0,
+            recomputed_tokens: 0,
         }],
         itl: itl_us.iter().map(|&g| (g, 1)).collect(),
         router_errors: 0,

@@ -7,13 +7,13 @@ use std::sync::Arc;
 use kvblock::BlockHash;
 use kvcache::{KvEvent, Tier};
 
-use crate::config::SimConfig;
+use crate::config::{PdLink, SimConfig};
 use crate::engine::{EngineRequest, Outcome, Pool};
 use crate::error::Error;
 use crate::fleet::{Fleet, Routers};
 use crate::report::{EngineRecord, Records, Report, RequestRecord};
-use crate::timing::TimingModel;
-use crate::workload::{RequestSpec, Workload};
+use crate::timing::{TimingKind, TimingModel};
+use crate::workload::{closed_plan, RequestSpec, Turn, Workload};
 
 /// A configured simulation. [`run`](Self::run) may be called any number of times and gives the
 /// same report each time.
@@ -42,10 +42,13 @@ impl std::fmt::Debug for Simulation {
 }
 
 impl Simulation {
-    /// Validates `cfg` and prepares a run with its linear timing model.
+    /// Validates `cfg` and prepares a run with its timing model (`cfg.timing_kind`).
     pub fn new(cfg: SimConfig) -> Result<Self, Error> {
         cfg.validate()?;
-        let timing = Arc::new(cfg.timing);
+        let timing: Arc<dyn TimingModel> = match cfg.timing_kind {
+            TimingKind::Polynomial => Arc::new(cfg.polynomial_timing()),
+            _ => Arc::new(cfg.timing),
+        };
         Ok(Simulation { cfg, timing })
     }
 
@@ -69,7 +72,7 @@ impl Simulation {
     /// far, about every 1% of them.
     pub fn run_with_progress(&self, progress: &mut dyn FnMut(usize)) -> Result<Report, Error> {
         let workload = Workload::new(&self.cfg);
-        let content = workload.describe();
+        let content = workload.describe_run(&self.cfg);
         let mut run = Run::new(&self.cfg, &self.timing, workload, true)?;
         run.simulate(progress);
         if run.ambiguous {
@@ -97,6 +100,64 @@ enum Kind {
     StepDone(usize, u32),
     TransferDone(usize),
     Deliver(usize, Tier, Vec<KvEvent>),
+    /// Closed loop: turn `.0` of the plan may be sent (its session's previous turn is done
+    /// and its think time over): now if a slot is free, else when one frees up.
+    Ready(usize),
+    /// Closed loop: turn `.0`, which holds a slot already, is sent.
+    Send(usize),
+    /// Shared links: the next transfer on prefill engine `.0`'s link completes; stale
+    /// unless `.1` is the link's generation.
+    LinkDone(usize, u32),
+}
+
+/// One prefill engine's link when transfers share it: the transfers on it, each with the bits
+/// it has left, all served at an equal share of the bandwidth since `last`.
+#[derive(Debug, Default)]
+struct Link {
+    flows: Vec<(usize, f64)>,
+    last: u64,
+    gen: u32,
+}
+
+/// A closed-loop run's plan and state: which turns wait for which, and the concurrency gate.
+struct Closed {
+    turns: Vec<Turn>,
+    /// The next turn of each turn's session.
+    next_turn: Vec<Option<usize>>,
+    /// First turns in plan order, and how many have been made ready.
+    roots: Vec<usize>,
+    next_root: usize,
+    /// Requests in flight at most, and now.
+    limit: Option<usize>,
+    in_flight: usize,
+    /// Ready turns waiting for a slot, first come first served.
+    queue: std::collections::VecDeque<usize>,
+    /// The plan index of each sent request (by request id).
+    turn_of: Vec<usize>,
+}
+
+impl Closed {
+    fn new(cfg: &SimConfig) -> Option<Self> {
+        let turns = closed_plan(cfg)?;
+        let mut next_turn = vec![None; turns.len()];
+        let mut roots = Vec::new();
+        for (j, t) in turns.iter().enumerate() {
+            match t.prev {
+                Some(p) => next_turn[p] = Some(j),
+                None => roots.push(j),
+            }
+        }
+        Some(Closed {
+            turns,
+            next_turn,
+            roots,
+            next_root: 0,
+            limit: cfg.concurrency,
+            in_flight: 0,
+            queue: std::collections::VecDeque::new(),
+            turn_of: Vec::new(),
+        })
+    }
 }
 
 /// A queued event. Same-time events run in the order the step-by-step loop (one `StepDone`
@@ -258,6 +319,10 @@ struct Run<'a> {
     chains: Vec<Chain>,
     /// `ahead` events in the queue (stale ones included).
     ahead_queued: usize,
+    /// The closed-loop plan (`None`: requests arrive at their times).
+    closed: Option<Closed>,
+    /// Per engine, its outgoing KV link when transfers share it.
+    links: Vec<Link>,
 }
 
 impl<'a> Run<'a> {
@@ -290,6 +355,8 @@ impl<'a> Run<'a> {
             gens: vec![0; n],
             chains: (0..n).map(|_| Chain::default()).collect(),
             ahead_queued: 0,
+            closed: Closed::new(cfg),
+            links: (0..n).map(|_| Link::default()).collect(),
         })
     }
 
@@ -425,7 +492,11 @@ impl<'a> Run<'a> {
 
     fn simulate(&mut self, progress: &mut dyn FnMut(usize)) {
         let every = (self.cfg.request_count() / 100).max(1);
-        self.schedule_next_arrival();
+        if self.closed.is_some() {
+            self.schedule_next_root();
+        } else {
+            self.schedule_next_arrival();
+        }
         while let Some(ev) = self.queue.pop() {
             if ev.ahead {
                 self.ahead_queued -= 1;
@@ -453,6 +524,14 @@ impl<'a> Run<'a> {
                 }
                 Kind::TransferDone(r) => self.transfer_done(r),
                 Kind::Deliver(e, tier, events) => self.deliver(e, tier, &events),
+                Kind::Ready(j) => {
+                    self.ready(j);
+                    if self.reqs.len() % every == 0 {
+                        progress(self.reqs.len());
+                    }
+                }
+                Kind::Send(j) => self.send_turn(j),
+                Kind::LinkDone(e, g) => self.link_done(e, g),
             }
             if self.ambiguous {
                 return;
@@ -568,6 +647,82 @@ impl<'a> Run<'a> {
         let Some(spec) = self.pending.take() else {
             return;
         };
+        self.send(spec, 1);
+        self.schedule_next_arrival();
+    }
+
+    /// Closed loop: makes the next first turn ready at its time.
+    fn schedule_next_root(&mut self) {
+        let Some(c) = &self.closed else { return };
+        if let Some(&j) = c.roots.get(c.next_root) {
+            let t = c.turns[j].spec.arrival_us;
+            self.push(t, Kind::Ready(j));
+        }
+    }
+
+    /// Closed loop: turn `j` may go; it is sent if a slot is free, else queued.
+    fn ready(&mut self, j: usize) {
+        let Some(c) = self.closed.as_mut() else {
+            return;
+        };
+        let root = c.turns[j].prev.is_none();
+        if root {
+            c.next_root += 1;
+        }
+        let free = c.limit.is_none_or(|n| c.in_flight < n);
+        if free {
+            c.in_flight += 1;
+        } else {
+            c.queue.push_back(j);
+        }
+        if root {
+            self.schedule_next_root();
+        }
+        if free {
+            self.send_turn(j);
+        }
+    }
+
+    /// Closed loop: sends turn `j` (its slot is taken).
+    fn send_turn(&mut self, j: usize) {
+        let Some(c) = self.closed.as_mut() else {
+            return;
+        };
+        let t = &mut c.turns[j];
+        let (spec, turn) = (std::mem::replace(&mut t.spec, RequestSpec::empty()), t.turn);
+        c.turn_of.push(j);
+        self.send(spec, turn);
+    }
+
+    /// Closed loop: request `id` is over (finished or rejected): its session's next turn
+    /// becomes ready after its think time, and a queued turn takes the slot.
+    fn request_done(&mut self, id: usize) {
+        let Some(c) = self.closed.as_mut() else {
+            return;
+        };
+        let j = c.turn_of[id];
+        c.in_flight -= 1;
+        let next = c.next_turn[j].map(|k| {
+            let t = &c.turns[k];
+            (
+                k,
+                self.now.saturating_add(t.think_us).max(t.spec.arrival_us),
+            )
+        });
+        let queued = c.queue.pop_front();
+        if queued.is_some() {
+            c.in_flight += 1;
+        }
+        if let Some((k, at)) = next {
+            self.push(at, Kind::Ready(k));
+        }
+        if let Some(q) = queued {
+            self.push(self.now, Kind::Send(q));
+        }
+    }
+
+    /// Routes a request to an engine and submits it there (or counts it rejected).
+    fn send(&mut self, spec: RequestSpec, turn: u32) {
         let id = self.reqs.len();
         let (router, engine) = match self.fleet.routers.route(id, &spec.blocks, self.now) {
             Ok(x) => x,
@@ -592,6 +747,7 @@ impl<'a> Run<'a> {
                 first_token: 0,
                 finish: 0,
                 rejected: false,
+                turn,
             },
             router,
             decode_router: 0,
@@ -607,8 +763,8 @@ impl<'a> Run<'a> {
             // It can never fit on this engine: count it and release the router's load.
             self.reqs[id].rec.rejected = true;
             self.release_router(id, Pool::Unified);
+            self.request_done(id);
         }
-        self.schedule_next_arrival();
     }
 
     /// Tells the router that routed the request on the given side that its first token came.
@@ -741,6 +897,7 @@ impl<'a> Run<'a> {
                 Outcome::Finished { id } => {
                     self.reqs[id as usize].rec.finish = now;
                     self.release_router(id as usize, pool);
+                    self.request_done(id as usize);
                 }
                 _ => {}
             }
@@ -772,10 +929,75 @@ impl<'a> Run<'a> {
         let input = req.rec.input;
         let sent_tokens = input - (decode_hits * bs).min(input);
         let bits = sent_tokens as f64 * self.cfg.kv_bytes_per_token as f64 * 8.0;
+        if self.cfg.pd_link == PdLink::Shared && bits > 0.0 {
+            let e = req.rec.engine;
+            req.rec.transfer_us = self.now;
+            self.advance_link(e);
+            self.links[e].flows.push((r, bits));
+            self.schedule_link(e);
+            return;
+        }
         let transfer = (bits / (self.cfg.pd_transfer_gbps * 1e3)).round() as u64
             + self.cfg.pd_transfer_latency_us;
         req.rec.transfer_us = transfer;
         self.push(self.now.saturating_add(transfer), Kind::TransferDone(r));
+    }
+
+    /// Shared links: serves link `e`'s transfers their equal shares of the time since its
+    /// last change.
+    fn advance_link(&mut self, e: usize) {
+        let link = &mut self.links[e];
+        let k = link.flows.len();
+        if k > 0 {
+            let share = (self.now - link.last) as f64 * self.cfg.pd_transfer_gbps * 1e3 / k as f64;
+            for f in &mut link.flows {
+                f.1 -= share;
+            }
+        }
+        link.last = self.now;
+    }
+
+    /// Shared links: queues the completion of link `e`'s transfer with the fewest bits left,
+    /// at the current shares (replacing any queued one).
+    fn schedule_link(&mut self, e: usize) {
+        let link = &mut self.links[e];
+        link.gen = link.gen.wrapping_add(1);
+        let Some(left) = link.flows.iter().map(|f| f.1).reduce(f64::min) else {
+            return;
+        };
+        let rate = self.cfg.pd_transfer_gbps * 1e3 / link.flows.len() as f64;
+        // Whole microseconds, rounded as a lone transfer's duration is.
+        let dt = (left.max(0.0) / rate).round() as u64;
+        let gen = link.gen;
+        self.push(self.now.saturating_add(dt), Kind::LinkDone(e, gen));
+    }
+
+    /// Shared links: the transfers of link `e` that are through start their fixed latency;
+    /// the rest share the link anew.
+    fn link_done(&mut self, e: usize, gen: u32) {
+        if gen != self.links[e].gen {
+            return;
+        }
+        self.advance_link(e);
+        // Transfers within half a microsecond of their end (at their share) are through.
+        let k = self.links[e].flows.len().max(1);
+        let half_us = 0.5 * self.cfg.pd_transfer_gbps * 1e3 / k as f64;
+        let mut done = Vec::new();
+        self.links[e].flows.retain(|&(r, left)| {
+            if left <= half_us {
+                done.push(r);
+                false
+            } else {
+                true
+            }
+        });
+        for r in done {
+            let arrive = self.now.saturating_add(self.cfg.pd_transfer_latency_us);
+            let rec = &mut self.reqs[r].rec;
+            rec.transfer_us = arrive - rec.transfer_us;
+            self.push(arrive, Kind::TransferDone(r));
+        }
+        self.schedule_link(e);
     }
 
     fn transfer_done(&mut self, r: usize) {
@@ -793,6 +1015,7 @@ impl<'a> Run<'a> {
         } else {
             self.reqs[r].rec.rejected = true;
             self.release_router(r, Pool::Decode);
+            self.request_done(r);
         }
     }
 
@@ -858,6 +1081,8 @@ impl<'a> Run<'a> {
                     resident_blocks: e.cache().len(),
                     host_blocks: e.cache().host_tier().map_or(0, |(_, n)| n),
                     busy_us: e.busy_us(),
+                    preemptions: e.preemptions(),
+                    recomputed_tokens: e.recomputed_tokens(),
                 })
                 .collect(),
             inconsistent_inserts: engines.iter().map(|e| e.inconsistent_inserts()).sum(),
@@ -871,7 +1096,8 @@ impl<'a> Run<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::ArrivalModel;
+    use crate::config::{ArrivalModel, PdLink};
+    use crate::engine::KvAllocation;
     use crate::timing::LinearTiming;
     use kvblock::BlockSize;
     use kvroute::Policy;
@@ -881,6 +1107,11 @@ mod tests {
         let timing: Arc<dyn TimingModel> = Arc::new(LinearTiming::default());
         let mut run = Run::new(cfg, &timing, Workload::new(cfg), true).unwrap();
         run.simulate(&mut |_| {});
+        if run.ambiguous {
+            // As `Simulation::run`: a fast run that met a tie it cannot order stops early.
+            run = Run::new(cfg, &timing, Workload::new(cfg), false).unwrap();
+            run.simulate(&mut |_| {});
+        }
         let leftovers = run
             .fleet
             .engines
@@ -967,6 +1198,101 @@ mod tests {
         }
     }
 
+    /// The records of a closed-loop run and the plan index of each request id.
+    fn closed_run(cfg: &SimConfig) -> (Records, Vec<Turn>, Vec<usize>) {
+        let timing: Arc<dyn TimingModel> = Arc::new(LinearTiming::default());
+        let mut run = Run::new(cfg, &timing, Workload::new(cfg), true).unwrap();
+        run.simulate(&mut |_| {});
+        if run.ambiguous {
+            run = Run::new(cfg, &timing, Workload::new(cfg), false).unwrap();
+            run.simulate(&mut |_| {});
+        }
+        let plan = closed_plan(cfg).unwrap();
+        let turn_of = run.closed.as_ref().unwrap().turn_of.clone();
+        (run.collect(), plan, turn_of)
+    }
+
+    /// The most requests in flight at once (arrival to finish, a finish before an arrival at
+    /// the same microsecond).
+    fn max_in_flight(c: &Records) -> usize {
+        let mut ev: Vec<(u64, i32)> = c
+            .requests
+            .iter()
+            .flat_map(|r| {
+                [
+                    (r.arrival, 1),
+                    (if r.rejected { r.arrival } else { r.finish }, -1),
+                ]
+            })
+            .collect();
+        ev.sort_unstable();
+        let (mut now, mut max) = (0i32, 0i32);
+        for (_, d) in ev {
+            now += d;
+            max = max.max(now);
+        }
+        max as usize
+    }
+
+    /// A turn is sent no earlier than its session's previous turn finished plus the think
+    /// time, and exactly then when no concurrency limit holds it back; at most `concurrency`
+    /// requests are in flight, and with a limit of 1 each request starts when the one before
+    /// finished.
+    #[test]
+    fn closed_loops_respect_turn_order_think_time_and_concurrency() {
+        for concurrency in [None, Some(1), Some(3)] {
+            let cfg = SimConfig {
+                sessions: Some(12),
+                turns: 4,
+                think_us: 250_000,
+                concurrency,
+                input_len: 600,
+                prefix_len: 200,
+                output_len: 20,
+                request_rate: 5.0,
+                kv_blocks: Some(400),
+                ..SimConfig::default()
+            };
+            cfg.validate().unwrap();
+            let (c, plan, turn_of) = closed_run(&cfg);
+            assert_eq!(c.requests.len(), 48);
+            let id_of: std::collections::BTreeMap<usize, usize> =
+                turn_of.iter().enumerate().map(|(id, &j)| (j, id)).collect();
+            for (id, r) in c.requests.iter().enumerate() {
+                let t = &plan[turn_of[id]];
+                assert_eq!(r.turn, t.turn);
+                assert_eq!(r.input, t.spec.input_len);
+                assert!(!r.rejected && r.finish > r.arrival);
+                match t.prev {
+                    Some(p) => {
+                        let prev = &c.requests[id_of[&p]];
+                        let earliest = prev.finish + cfg.think_us;
+                        assert!(
+                            r.arrival >= earliest,
+                            "turn {} sent before its think time",
+                            t.turn
+                        );
+                        if concurrency.is_none() {
+                            assert_eq!(r.arrival, earliest);
+                        }
+                    }
+                    None if concurrency.is_none() => assert_eq!(r.arrival, t.spec.arrival_us),
+                    None => {}
+                }
+            }
+            let most = max_in_flight(&c);
+            match concurrency {
+                Some(n) => assert_eq!(most, n),
+                None => assert!(most > 3, "{most}"),
+            }
+            if concurrency == Some(1) {
+                for w in c.requests.windows(2) {
+                    assert!(w[1].arrival >= w[0].finish);
+                }
+            }
+        }
+    }
+
     fn routing_model() -> impl Strategy<Value = RoutingModel> {
         (
             prop::sample::select(kvroute::CostModel::ALL.to_vec()),
@@ -982,6 +1308,39 @@ mod tests {
                     predicted_ttl_us,
                 },
             )
+    }
+
+    /// A turn's prompt is the previous prompt, its answer and new text: its blocks extend the
+    /// previous turn's, and its length grows by output + new tokens.
+    #[test]
+    fn synthetic_session_prompts_grow_as_in_a_chat() {
+        let cfg = SimConfig {
+            sessions: Some(5),
+            turns: 6,
+            input_len: 300,
+            prefix_len: 100,
+            output_len: 37,
+            block_size: BlockSize::new(16).unwrap(),
+            ..SimConfig::default()
+        };
+        let plan = closed_plan(&cfg).unwrap();
+        assert_eq!(plan.len(), 30);
+        for (j, t) in plan.iter().enumerate() {
+            assert_eq!(t.turn as usize, j % 6 + 1);
+            match t.prev {
+                Some(p) => {
+                    let prev = &plan[p];
+                    assert_eq!(p, j - 1);
+                    assert_eq!(t.spec.input_len, prev.spec.input_len + 37 + 200);
+                    assert!(t.spec.blocks.starts_with(&prev.spec.blocks));
+                    assert_eq!(t.think_us, cfg.think_us);
+                }
+                None => assert_eq!(t.spec.input_len, 300),
+            }
+            assert_eq!(t.spec.blocks.len(), t.spec.input_len / 16);
+        }
+        // Sessions differ after their shared prefix (6 full blocks of 100 tokens' pool).
+        assert_ne!(plan[0].spec.blocks[6], plan[6].spec.blocks[6]);
     }
 
     /// The records of a run, skipping quiet steps or not; and whether skipping gave up.
@@ -1006,12 +1365,14 @@ mod tests {
                           arrivals in prop::sample::select(vec![ArrivalModel::Constant, ArrivalModel::Poisson]),
                           rate in prop::sample::select(vec![10.0f64, 50.0, 200.0, 1000.0]),
                           timing in prop::sample::select(vec![(1000.0, 1.0, 0.0, 0.0), (1000.0, 0.0, 500.0, 0.0), (7050.0, 19.5, 25.4, 0.04), (2000.0, 2.0, 0.0, 1.0)]),
-                          input in 1usize..600, output in 1usize..60, seqs in 1usize..6, seed in 0u64..1000,
+                          input in 1usize..600, output in 1usize..60, seqs in 1usize..6,
+                          (seed, incremental, mode, shared) in (0u64..1000, any::<bool>(), 0u8..4, any::<bool>()),
                           rm in routing_model()) {
             let cfg = SimConfig {
                 instances,
                 prefill_instances: pd.map(|p| p.0),
                 decode_instances: pd.map(|p| p.1),
+                pd_link: if shared { PdLink::Shared } else { PdLink::PerTransfer },
                 routers,
                 kv_blocks: kv,
                 block_size: BlockSize::new(bs).unwrap(),
@@ -1028,6 +1389,12 @@ mod tests {
                 num_requests: 80,
                 request_rate: rate,
                 seed,
+                kv_allocation: if incremental { KvAllocation::Incremental } else { KvAllocation::Reserve },
+                // Open loop, a fixed concurrency, chat sessions, both.
+                concurrency: (mode % 2 == 1).then_some(3),
+                sessions: (mode >= 2).then_some(15),
+                turns: if mode >= 2 { 4 } else { 1 },
+                think_us: if mode >= 2 { seed % 3 * 5_000 } else { 0 },
                 ..rm.apply(kv)
             };
             cfg.validate().unwrap();
@@ -1043,14 +1410,16 @@ mod tests {
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(64))]
-        /// Whatever the settings: every request completes or is rejected, nothing stays pinned
-        /// or reserved, every router replica ends with no load, and its view of each engine of
-        /// its pool equals that engine's cache.
+        /// Whatever the settings (incremental allocation and its preemptions included): every
+        /// request completes or is rejected, nothing stays pinned or reserved, every router
+        /// replica ends with no load, and its view of each engine of its pool equals that
+        /// engine's cache.
         #[test]
         fn runs_end_clean(instances in 1usize..5, pd in prop::option::of((1usize..3, 1usize..3)), routers in 1usize..4,
                           kv in prop::option::of(4usize..60), bs in prop::sample::select(vec![16usize, 64, 256]),
                           policy in prop::sample::select(Policy::ALL.to_vec()), delay in prop::sample::select(vec![0u64, 5_000]),
-                          input in 1usize..3000, output in 1usize..40, seqs in 1usize..8, seed in 0u64..1000,
+                          input in 1usize..3000, output in 1usize..40, seqs in 1usize..8,
+                          (seed, incremental, mode) in (0u64..1000, any::<bool>(), 0u8..4),
                           rm in routing_model(), host in prop::option::of(0usize..40)) {
             let cfg = SimConfig {
                 instances,
@@ -1070,12 +1439,20 @@ mod tests {
                 num_requests: 60,
                 request_rate: 40.0,
                 seed,
+                kv_allocation: if incremental { KvAllocation::Incremental } else { KvAllocation::Reserve },
+                // Open loop, a fixed concurrency, chat sessions, both.
+                concurrency: (mode % 2 == 1).then_some(3),
+                sessions: (mode >= 2).then_some(15),
+                turns: if mode >= 2 { 4 } else { 1 },
+                think_us: if mode >= 2 { seed % 3 * 5_000 } else { 0 },
                 host_kv_blocks: host,
                 host_load_gbps: 10.0,
                 ..rm.apply(kv)
             };
             cfg.validate().unwrap();
             let (c, routers, leftovers) = finished_run(&cfg);
+            // Every request was sent (a closed loop never stalls) ...
+            prop_assert_eq!(c.requests.len(), cfg.request_count());
             prop_assert!(c.requests.iter().all(|r| r.rejected || (r.finish >= r.first_token && r.first_token > r.arrival)));
             prop_assert!(leftovers.iter().all(|&l| l == (0, 0)), "{:?}", leftovers);
             prop_assert_eq!(c.router_errors + c.inconsistent_inserts, 0);

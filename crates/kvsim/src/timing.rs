@@ -193,6 +193,131 @@ impl TimingModel for LinearTiming {
     }
 }
 
+/// Which step-time model a run uses (`--timing`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum TimingKind {
+    /// [`LinearTiming`] with the `timing` coefficients.
+    #[default]
+    Linear,
+    /// [`PolynomialTiming`], NVIDIA Dynamo mocker's polynomial, with the `polynomial` settings.
+    Polynomial,
+}
+
+impl std::fmt::Display for TimingKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TimingKind::Linear => "linear",
+            TimingKind::Polynomial => "polynomial",
+        })
+    }
+}
+
+impl std::str::FromStr for TimingKind {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s {
+            "linear" => Ok(TimingKind::Linear),
+            "polynomial" => Ok(TimingKind::Polynomial),
+            _ => Err(Error::invalid("timing_kind", s, "linear or polynomial")),
+        }
+    }
+}
+
+/// The polynomial step-time model of NVIDIA Dynamo's mocker, so that results can be compared
+/// with that simulator. Times in milliseconds, as published in `ai-dynamo/dynamo`,
+/// `lib/mocker/src/common/perf_model.rs` (`PerfModel::Polynomial`, commit `f80944a`):
+///
+/// - prefill: `t = ` new (uncached) tokens of the step;
+///   `prefill_ms = 4.209989e-07·t² + 1.518344e-02·t + 1.650142e+01` (0 when `t = 0`);
+/// - decode: `u = ` KV utilisation, the decoding requests' context tokens over the engine's KV
+///   capacity in tokens; `decode_ms = max(1, -25.74·u² + 54.01·u + 5.74)` (0 without decoding
+///   requests).
+///
+/// A step that prefills and decodes takes the sum. Unlike the linear model, decode time does
+/// not grow with the batch size, only with utilisation. The capacity is the engine's KV blocks
+/// times the block size; for unbounded engines it is `kv_capacity_tokens` (default 460,800
+/// tokens, 900 blocks of 512: about an H100's KV memory for an 8B model).
+///
+/// ```
+/// use kvsim::{PolynomialTiming, StepShape, TimingModel};
+/// let t = PolynomialTiming::default();
+/// // 8,192 new tokens: 4.209989e-07 * 8192^2 + 1.518344e-02 * 8192 + 16.50142 = 169.137 ms.
+/// assert_eq!(t.step_us(&StepShape::new(8192, 0, 0)), 169_137);
+/// // Half the KV in use by decoding requests: -25.74/4 + 54.01/2 + 5.74 = 26.31 ms.
+/// assert_eq!(t.step_us(&StepShape::new(0, 64, 230_400)), 26_310);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub struct PolynomialTiming {
+    /// Prefill milliseconds: `[c0, c1, c2]` of `c0 + c1·t + c2·t²`.
+    pub prefill_ms: [f64; 3],
+    /// Decode milliseconds: `[c0, c1, c2]` of `c0 + c1·u + c2·u²`, at least 1 ms.
+    pub decode_ms: [f64; 3],
+    /// KV capacity, tokens, that utilisation is measured against (`--timing-kv-tokens`, or the
+    /// engine's `kv_blocks` times the block size).
+    pub kv_capacity_tokens: u64,
+}
+
+impl Default for PolynomialTiming {
+    fn default() -> Self {
+        PolynomialTiming {
+            prefill_ms: [1.650142e+01, 1.518344e-02, 4.209989e-07],
+            decode_ms: [5.74, 54.01, -25.74],
+            kv_capacity_tokens: 460_800,
+        }
+    }
+}
+
+impl PolynomialTiming {
+    /// Dynamo's coefficients against a KV capacity of `kv_capacity_tokens` tokens.
+    pub fn with_capacity(kv_capacity_tokens: u64) -> Self {
+        PolynomialTiming {
+            kv_capacity_tokens,
+            ..PolynomialTiming::default()
+        }
+    }
+
+    /// Every coefficient finite, the capacity at least one token.
+    pub fn validate(&self) -> Result<(), Error> {
+        if self
+            .prefill_ms
+            .iter()
+            .chain(&self.decode_ms)
+            .any(|c| !c.is_finite())
+        {
+            return Err(Error::invalid(
+                "polynomial",
+                format!("{:?} {:?}", self.prefill_ms, self.decode_ms),
+                "finite coefficients",
+            ));
+        }
+        if self.kv_capacity_tokens == 0 {
+            return Err(Error::invalid(
+                "polynomial.kv_capacity_tokens",
+                0,
+                "a whole number of tokens >= 1",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl TimingModel for PolynomialTiming {
+    fn step_us(&self, s: &StepShape) -> u64 {
+        let poly = |c: &[f64; 3], x: f64| c[0] + c[1] * x + c[2] * x * x;
+        let mut ms = 0.0;
+        if s.prefill_tokens > 0 {
+            ms += poly(&self.prefill_ms, s.prefill_tokens as f64).max(0.0);
+        }
+        if s.decode_requests > 0 {
+            let u = s.context_tokens as f64 / self.kv_capacity_tokens as f64;
+            ms += poly(&self.decode_ms, u).max(1.0);
+        }
+        round_us(ms * 1e3)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -27,11 +27,24 @@ pub struct TraceRequest {
     pub blocks: Vec<BlockHash>,
     /// The id of a partial last block, if the trace gave one (not cacheable).
     pub partial: Option<BlockHash>,
+    /// The conversation it belongs to (`session_id`), numbered from 0 in order of first
+    /// appearance; its turns are the session's lines in file order.
+    pub session: Option<usize>,
+    /// Think time before it is sent after the previous turn of its session finished, µs
+    /// (`think_time_ms`; 0 when absent).
+    pub think_us: u64,
 }
 
 /// A request trace in the Mooncake JSONL format: one JSON object per line with `timestamp`
 /// (ms), `input_length`, `output_length` and `hash_ids` (prefix-chained ids of fixed-size token
 /// blocks). Unknown fields are ignored; blank lines are skipped.
+///
+/// Two optional fields make a multi-turn (closed-loop) trace: `session_id` (a string or a
+/// whole number, compared as text) groups lines into conversations whose turns are their
+/// lines in file order, and `think_time_ms` (a number >= 0) is the pause between the end of a
+/// turn and the sending of the next. A later turn is sent at the later of its own timestamp
+/// and the end of its session's previous turn plus its think time; a line without
+/// `session_id` is a one-turn session of its own.
 ///
 /// Loading checks every line before anything is simulated: bad JSON, a missing field, a negative
 /// or non-integer length, more ids than the length allows, timestamps going backwards, and an id
@@ -88,6 +101,7 @@ impl Trace {
         // id -> (parent id, line first seen), to check that ids are prefix-chained.
         let mut parents = Parents::default();
         let mut ids = Vec::new();
+        let mut sessions: HashMap<String, usize> = HashMap::new();
         for (i, raw) in text.lines().enumerate() {
             let line = i + 1;
             if raw.trim().is_empty() {
@@ -98,9 +112,11 @@ impl Trace {
             let fast = fast_line(raw, &mut ids).filter(|&(ms, input, output)| {
                 ms >= last_ms && input <= MAX_TOKENS && output <= MAX_TOKENS
             });
+            let mut extra = Extra::default();
             let (ms, input_len, output_len) = match fast {
                 Some(x) => x,
-                None => general_line(raw, last_ms, &mut ids).map_err(|what| err(line, what))?,
+                None => general_line(raw, last_ms, &mut ids, &mut extra)
+                    .map_err(|what| err(line, what))?,
             };
             last_ms = ms;
             let allowed = block_size.blocks_for(input_len);
@@ -140,6 +156,11 @@ impl Trace {
                 output_len,
                 blocks: ids[..full].iter().map(|&id| BlockHash::new(id)).collect(),
                 partial: ids.get(full).map(|&id| BlockHash::new(id)),
+                session: extra.session.take().map(|k| {
+                    let next = sessions.len();
+                    *sessions.entry(k).or_insert(next)
+                }),
+                think_us: extra.think_ms.map_or(0, |t| (t * 1000.0).round() as u64),
             });
         }
         Ok(Trace {
@@ -147,6 +168,11 @@ impl Trace {
             block_size,
             requests,
         })
+    }
+
+    /// Whether any line carries a `session_id` (the trace is replayed closed-loop).
+    pub fn has_sessions(&self) -> bool {
+        self.requests.iter().any(|r| r.session.is_some())
     }
 
     /// The name given when loading (the file path).
@@ -405,10 +431,18 @@ fn fast_line(raw: &str, ids: &mut Vec<u64>) -> Option<(f64, usize, usize)> {
 
 /// Reads any line through JSON values: (timestamp ms, input length, output length) and the
 /// ids in `ids`, or what is wrong with the line.
+/// The optional fields of a multi-turn trace line.
+#[derive(Debug, Default)]
+struct Extra {
+    session: Option<String>,
+    think_ms: Option<f64>,
+}
+
 fn general_line(
     raw: &str,
     last_ms: f64,
     ids: &mut Vec<u64>,
+    extra: &mut Extra,
 ) -> Result<(f64, usize, usize), String> {
     let v: Value = serde_json::from_str(raw).map_err(|e| format!("bad JSON: {e}"))?;
     let obj = v
@@ -445,6 +479,26 @@ fn general_line(
                 .ok_or_else(|| format!("hash_ids: expected whole numbers >= 0, got {x}"))?,
         );
     }
+    extra.session = match obj.get("session_id") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(k)) => Some(k.clone()),
+        Some(Value::Number(n)) if n.is_u64() || n.is_i64() => Some(n.to_string()),
+        Some(x) => {
+            return Err(format!(
+                "session_id: expected a string or a whole number, got {x}"
+            ))
+        }
+    };
+    extra.think_ms = match obj.get("think_time_ms") {
+        None | Some(Value::Null) => None,
+        Some(x) => Some(
+            x.as_f64()
+                .filter(|t| t.is_finite() && (0.0..=1e12).contains(t))
+                .ok_or_else(|| {
+                    format!("think_time_ms: expected a number of milliseconds >= 0, got {x}")
+                })?,
+        ),
+    };
     Ok((ms, input_len, output_len))
 }
 
@@ -541,7 +595,7 @@ mod tests {
             let (mut a, mut b) = (Vec::new(), Vec::new());
             // `parse` also sends lengths beyond MAX_TOKENS to the JSON path.
             let fast = fast_line(raw, &mut a).filter(|x| x.1 <= MAX_TOKENS && x.2 <= MAX_TOKENS);
-            let general = general_line(raw, f64::NEG_INFINITY, &mut b);
+            let general = general_line(raw, f64::NEG_INFINITY, &mut b, &mut Extra::default());
             if let Some(x) = fast {
                 accepted += 1;
                 assert_eq!(general, Ok(x), "{raw}");

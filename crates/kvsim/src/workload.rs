@@ -21,6 +21,18 @@ pub(crate) struct RequestSpec {
     pub(crate) blocks: Vec<BlockHash>,
 }
 
+impl RequestSpec {
+    /// A placeholder left where a request was taken from.
+    pub(crate) fn empty() -> Self {
+        RequestSpec {
+            arrival_us: 0,
+            input_len: 0,
+            output_len: 0,
+            blocks: Vec::new(),
+        }
+    }
+}
+
 /// Arrival times in integer microseconds.
 #[derive(Debug, Clone)]
 pub(crate) struct Arrivals {
@@ -87,6 +99,24 @@ impl Workload {
             Workload::Synthetic(s) => s.describe(),
             Workload::Trace(t) => t.describe(),
         }
+    }
+
+    /// [`describe`](Self::describe), with the closed loop's sessions and concurrency.
+    pub(crate) fn describe_run(&self, cfg: &SimConfig) -> String {
+        let mut d = match (cfg.sessions, &cfg.trace) {
+            (Some(n), _) => format!(
+                "{n} sessions x {} turns, think {} ms, {}",
+                cfg.turns,
+                cfg.think_us as f64 / 1000.0,
+                self.describe()
+            ),
+            (None, Some(t)) if t.has_sessions() => format!("{} in sessions", self.describe()),
+            _ => self.describe(),
+        };
+        if let Some(n) = cfg.concurrency {
+            d.push_str(&format!(", closed loop at concurrency {n}"));
+        }
+        d
     }
 }
 
@@ -247,6 +277,125 @@ impl Synthetic {
     pub(crate) fn describe(&self) -> String {
         format!("prefix pool: {} prefixes", self.prefixes.len())
     }
+}
+
+/// One request of a closed-loop run: what it sends and what it waits for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Turn {
+    /// The request; `arrival_us` is the earliest time it may be sent.
+    pub(crate) spec: RequestSpec,
+    /// The previous turn of its session, which must finish first.
+    pub(crate) prev: Option<usize>,
+    /// Pause after `prev` finished, µs.
+    pub(crate) think_us: u64,
+    /// Its turn in its session, from 1.
+    pub(crate) turn: u32,
+}
+
+/// The requests of a closed-loop run in order (sessions' turns after one another), or `None`
+/// for an open-loop run.
+pub(crate) fn closed_plan(cfg: &SimConfig) -> Option<Vec<Turn>> {
+    if !cfg.closed_loop() {
+        return None;
+    }
+    let mut plan = match (cfg.sessions, &cfg.trace) {
+        (Some(n), _) => synthetic_sessions(cfg, n),
+        (None, Some(t)) => {
+            let mut replay = Replay::new(cfg, Arc::clone(t));
+            let mut last: Vec<Option<usize>> = Vec::new();
+            let mut turns: Vec<u32> = Vec::new();
+            let mut plan = Vec::new();
+            for r in t.requests().iter().take(cfg.request_count()) {
+                let Some(spec) = replay.next_request() else {
+                    break;
+                };
+                let (prev, turn) = match r.session {
+                    Some(k) => {
+                        if k >= last.len() {
+                            last.resize(k + 1, None);
+                            turns.resize(k + 1, 0);
+                        }
+                        turns[k] += 1;
+                        (last[k].replace(plan.len()), turns[k])
+                    }
+                    None => (None, 1),
+                };
+                plan.push(Turn {
+                    spec,
+                    prev,
+                    think_us: r.think_us,
+                    turn,
+                });
+            }
+            plan
+        }
+        (None, None) => {
+            let mut w = Synthetic::new(cfg);
+            std::iter::from_fn(|| w.next_request())
+                .map(|spec| Turn {
+                    spec,
+                    prev: None,
+                    think_us: 0,
+                    turn: 1,
+                })
+                .collect()
+        }
+    };
+    if cfg.concurrency.is_some() {
+        // A fixed concurrency sends as fast as slots free up.
+        for t in &mut plan {
+            t.spec.arrival_us = 0;
+        }
+    }
+    Some(plan)
+}
+
+/// `n` synthetic chat sessions (see [`SimConfig::sessions`]).
+fn synthetic_sessions(cfg: &SimConfig, n: usize) -> Vec<Turn> {
+    let mut pool = Synthetic::new(cfg);
+    let bs = cfg.block_size.get();
+    let new_len = cfg.input_len.saturating_sub(cfg.prefix_len);
+    let mut plan = Vec::with_capacity(n.saturating_mul(cfg.turns).min(1 << 20));
+    for s in 0..n as u64 {
+        let start = pool.arrivals.next_us();
+        let p = match &pool.zipf {
+            Some(z) => z.sample(&mut pool.choose),
+            None => pool.choose.below(pool.prefixes.len() as u64) as usize,
+        };
+        let prefix = &pool.prefixes[p];
+        // Each session's text (its users' and its answers') comes from its own stream.
+        let mut text = SimRng::new(cfg.seed, (1 << 40) + s);
+        let mut blocks = prefix.blocks.clone();
+        let mut seq = match blocks.last() {
+            Some(&last) => BlockSequence::with_parent(pool.hasher, last),
+            None => BlockSequence::new(pool.hasher),
+        };
+        let mut tokens: Vec<u32> = prefix.tail.clone();
+        let mut input_len = prefix.blocks.len() * bs + prefix.tail.len();
+        for turn in 1..=cfg.turns {
+            if turn > 1 {
+                // The previous answer, then the user's next message.
+                tokens.extend((0..cfg.output_len).map(|_| text.below(VOCAB) as u32));
+                input_len += cfg.output_len;
+            }
+            tokens.extend((0..new_len).map(|_| text.below(VOCAB) as u32));
+            input_len += new_len;
+            seq.extend_into(&tokens, &mut blocks);
+            tokens.clear();
+            plan.push(Turn {
+                spec: RequestSpec {
+                    arrival_us: if turn == 1 { start } else { 0 },
+                    input_len,
+                    output_len: cfg.output_len,
+                    blocks: blocks.clone(),
+                },
+                prev: (turn > 1).then(|| plan.len() - 1),
+                think_us: if turn > 1 { cfg.think_us } else { 0 },
+                turn: turn as u32,
+            });
+        }
+    }
+    plan
 }
 
 #[cfg(test)]

@@ -239,3 +239,43 @@ fn the_simulator_has_no_scoring_of_its_own() {
         }
     }
 }
+
+/// Two 1,024-token prompts arrive together on one prefill engine, which prefills them one
+/// step after the other (27,018 us each: 7,050 + 19.5 x 1,024), and send their KV to an empty
+/// decode engine: 1,024 x 131,072 bytes x 8 = 1,073,741,824 bits each over 10 Gb/s (10,000
+/// bits/us). Alone, a transfer takes round(107,374.2) = 107,374 us (+ 100 us latency).
+/// Sharing the link (durations rounded to whole microseconds, as a lone transfer's):
+/// - the first starts at 27,018 and has 803,561,824 bits left when the second starts at 54,036;
+/// - at 5,000 bits/us each, the first ends after round(160,712.4) = 160,712 us, at 214,748;
+/// - the second, alone again, has 270,181,824 bits left: round(27,018.2) = 27,018 us more, to
+///   241,766.
+///
+/// Both take 187,830 us with the latency. A third request, 5 s later, is alone on the link.
+#[test]
+fn a_shared_link_splits_its_bandwidth_among_concurrent_transfers() {
+    let line = |ts: u64, id: u64| {
+        format!(
+            r#"{{"timestamp": {ts}, "input_length": 1024, "output_length": 2, "hash_ids": [{id}, {}]}}"#,
+            id + 1
+        )
+    };
+    let text = [line(0, 10), line(0, 20), line(5_000, 30)].join("\n");
+    let trace = kvsim::Trace::parse("t.jsonl", &text, BlockSize::new(512).unwrap()).unwrap();
+    let mut c = SimConfig::default().with_trace(trace);
+    c.prefill_instances = Some(1);
+    c.decode_instances = Some(1);
+    c.pd_transfer_gbps = 10.0;
+    let dedicated = run(c.clone()).pd.unwrap().transfer_ms;
+    assert_eq!(
+        (dedicated.p50, dedicated.p99, dedicated.mean),
+        (107.474, 107.474, 107.474)
+    );
+    c.pd_link = kvsim::PdLink::Shared;
+    let shared = run(c).pd.unwrap().transfer_ms;
+    // Nearest rank over [107.474, 187.83, 187.83].
+    assert_eq!((shared.p50, shared.p99), (187.83, 187.83));
+    assert!(
+        (shared.mean - (107.474 + 2.0 * 187.83) / 3.0).abs() < 1e-9,
+        "{shared:?}"
+    );
+}
