@@ -1440,14 +1440,23 @@ impl Router {
     /// the least loaded), the lowest cost, or a sample at the router's temperature.
     fn choose_kv(&mut self, weight: f64, n: usize) -> usize {
         if self.config.busy.is_none() && self.config.temperature == 0.0 && self.lower.is_empty() {
-            // The common case, in one pass over the workers.
+            // The common case, in one pass over the workers, reading only the load it needs.
             let (active, pending, decode) = (&self.active, &self.pending, &self.decode);
-            let (overlaps, model) = (&self.overlaps, self.config.cost_model);
-            let costs = self.members.iter().map(|&i| {
-                let load = (active[i], pending[i], decode[i]);
-                score(model, weight, n, overlaps.run_at(i), load)
-            });
-            let k = argmin(&mut self.rng, costs);
+            let (members, overlaps) = (&self.members, &self.overlaps);
+            let k = match self.config.cost_model {
+                CostModel::Seed => argmin(
+                    &mut self.rng,
+                    members
+                        .iter()
+                        .map(|&i| cost(weight, n, overlaps.run_at(i), active[i])),
+                ),
+                CostModel::PrefillAware => argmin(
+                    &mut self.rng,
+                    members.iter().map(|&i| {
+                        prefill_aware_cost(weight, n, overlaps.run_at(i), pending[i], decode[i])
+                    }),
+                ),
+            };
             return self.members[k];
         }
         let mut eligible = std::mem::take(&mut self.eligible);
