@@ -16,6 +16,7 @@ type Map<K, V> = hashbrown::HashMap<K, V, FixedState>;
 /// use kvcache::Tier;
 /// assert_eq!(Tier::from_medium(Some("CPU")), Tier::Host);
 /// assert_eq!(Tier::from_medium(None), Tier::Device);
+/// assert_eq!(Tier::from_medium(Some("STORAGE")), Tier::Disk);
 /// assert_eq!(Tier::Disk.to_string(), "disk");
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
@@ -31,12 +32,12 @@ pub enum Tier {
 }
 
 impl Tier {
-    /// The tier of vLLM's `medium` field: `GPU` (or none) is the device, `CPU` the host,
-    /// `DISK` the disk; any other medium counts as the host (case ignored).
+    /// The tier of an engine's `medium` field: `GPU` (or none) is the device, `CPU` the host,
+    /// `STORAGE` (vLLM) or `DISK` the disk; any other medium counts as the host (case ignored).
     pub fn from_medium(medium: Option<&str>) -> Tier {
         match medium.map(str::to_ascii_uppercase).as_deref() {
             None | Some("GPU") | Some("CUDA") => Tier::Device,
-            Some("DISK") => Tier::Disk,
+            Some("STORAGE") | Some("DISK") => Tier::Disk,
             Some(_) => Tier::Host,
         }
     }
@@ -135,7 +136,7 @@ impl HostTier {
     /// How many of `chain[from..]` this tier holds as a leading run, each made the most recent.
     pub(crate) fn take_run(&mut self, chain: &[BlockHash], from: usize) -> usize {
         let run = self.run(chain, from);
-        for &b in &chain[from..from + run] {
+        for &b in chain.iter().skip(from).take(run) {
             self.use_block(b);
         }
         run

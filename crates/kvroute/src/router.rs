@@ -27,8 +27,9 @@ pub struct Decision {
     pub worker: WorkerId,
     /// The leading run of the request's blocks the router believes that worker holds.
     pub cache_hits: usize,
-    /// The chosen worker's [`cost`](crate::cost) with the role's weight (computed for every
-    /// policy, so decisions can be compared).
+    /// The chosen worker's cost with the role's weight under the router's cost model, less its
+    /// lower tiers' credit (computed for every policy, so decisions can be compared); the
+    /// source document's [`cost`](crate::cost) by default.
     pub cost: f64,
     /// The request's full blocks.
     pub request_blocks: usize,
@@ -182,7 +183,8 @@ impl RouterBuilder {
     /// `Kv` policy: 0 (the default) takes the lowest cost; above 0 samples worker `w` with
     /// probability ∝ `exp(−(cost(w) − min) / (T × (max − min)))` over the candidates' costs
     /// (seeded, so deterministic for a seed): at `T = 1` the worst candidate is `e` times less
-    /// likely than the best, and a higher `T` spreads load further. Equal costs tie as at 0.
+    /// likely than the best, and a higher `T` spreads load further. When all candidates cost the
+    /// same, the tie is broken uniformly, after one draw of the generator for the sample.
     ///
     /// ```
     /// use kvroute::{RequestId, Role, Router, WorkerId};
@@ -217,6 +219,8 @@ impl RouterBuilder {
     /// requests, before the worker's events report them, until those events confirm them or
     /// `ttl` passes on the router's clock ([`Router::set_clock`]). A burst of requests over a
     /// new prefix then goes to one worker instead of scattering. Zero (the default) is off.
+    /// Predictions lapse only as [`Router::set_clock`] advances: a router that never calls it
+    /// keeps every unconfirmed prediction (those of a request that failed included).
     ///
     /// ```
     /// use std::time::Duration;
@@ -1293,7 +1297,9 @@ impl Router {
                 self.decode[i] = load.decode.len();
                 let predicted = self.config.predicted_ttl;
                 if !predicted.is_zero() {
-                    let lapses = now.saturating_add(predicted);
+                    // On this router's clock, like its own predictions, so the expiry queue
+                    // stays in order.
+                    let lapses = self.now.saturating_add(predicted);
                     for &b in blocks {
                         if !self.index.holds(*worker, b) {
                             load.predicted.insert(b, lapses);

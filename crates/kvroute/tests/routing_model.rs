@@ -273,7 +273,19 @@ fn predicted_blocks_keep_a_burst_together_until_confirmed_or_lapsed() {
         b.apply_load_delta(&delta, t0);
     }
     assert_eq!(b.predicted_blocks(d.worker), 8);
-    b.set_clock(t0 + ttl);
+    b.set_clock(ttl);
+    assert_eq!(b.predicted_blocks(d.worker), 0);
+    // Stamped on this router's clock, whatever clock the delta came with.
+    b.set_clock(Duration::from_secs(10));
+    let d = a
+        .route(RequestId::new(2), &chain(100, 8), Role::Unified)
+        .unwrap();
+    for delta in a.drain_load_deltas() {
+        b.apply_load_delta(&delta, Duration::ZERO);
+    }
+    b.set_clock(Duration::from_secs(10) + ttl - Duration::from_millis(1));
+    assert_eq!(b.predicted_blocks(d.worker), 8);
+    b.set_clock(Duration::from_secs(10) + ttl);
     assert_eq!(b.predicted_blocks(d.worker), 0);
     // A removed worker's predictions go with it.
     let (mut r, warm) = burst(ttl);

@@ -102,11 +102,31 @@ fn each_rank_has_its_own_mirror_and_stream() {
     assert!(ingest
         .apply_batch(&mut router, engine, Some(0), &unmapped)
         .is_err());
+    assert_eq!(
+        ingest.next_seq(engine),
+        0,
+        "a refused batch consumes no sequence number"
+    );
     router.add_worker(engine);
     ingest
         .apply_batch(&mut router, engine, Some(0), &unmapped)
         .unwrap();
     assert_eq!(router.cache_view(engine), 1);
+
+    // A worker stands for one rank at a time: moving it frees its old rank.
+    let spare = WorkerId::new(13);
+    router.add_worker(spare);
+    ingest.set_rank_worker(engine, 7, spare);
+    ingest.set_rank_worker(engine, 8, spare);
+    assert_eq!(ingest.rank_of(spare), Some((engine, 8)));
+    let to_7 = batch(vec![stored(300, 3000..3016, None)], Some(7));
+    ingest
+        .apply_batch(&mut router, engine, Some(1), &to_7)
+        .unwrap();
+    assert_eq!(
+        (router.cache_view(spare), router.cache_view(engine)),
+        (0, 2)
+    );
 
     // Re-pointing a rank forgets the old worker's rank.
     assert_eq!(

@@ -92,3 +92,39 @@ fn bad_credits_are_rejected() {
         .build()
         .is_err());
 }
+
+/// A block the device evicted but the host still holds may move on to disk; vLLM's `STORAGE`
+/// is the disk; an offload block of several of ours is counted, not guessed.
+#[test]
+fn lower_tiers_map_through_each_other_and_larger_offload_blocks_are_counted() {
+    let mut router = Router::builder().build().unwrap();
+    let w = WorkerId::new(0);
+    router.add_worker(w);
+    let mut ingest = VllmIngest::new();
+    let tokens: Vec<u32> = (0..32).collect();
+    let gpu = EngineEvent::BlockStored(BlockStored::new(hashes(1..3), None, tokens.clone(), 16));
+    let batch = EventBatch::new(
+        0.0,
+        vec![
+            gpu,
+            offloaded(1..3, "CPU"),
+            removed(1..3, None),
+            offloaded(1..3, "STORAGE"),
+        ],
+    );
+    let s = ingest.apply_batch(&mut router, w, Some(0), &batch).unwrap();
+    assert_eq!((s.lower_tier_stored, s.untracked_blocks), (4, 0));
+    assert_eq!(
+        (
+            router.cache_view(w),
+            router.tier_view(w, Tier::Host),
+            router.tier_view(w, Tier::Disk)
+        ),
+        (0, 2, 2)
+    );
+    let mut big = BlockStored::new(hashes(7..8), None, Vec::new(), 48);
+    big.medium = Some("CPU".to_string());
+    let batch = EventBatch::new(0.0, vec![EngineEvent::BlockStored(big)]);
+    let s = ingest.apply_batch(&mut router, w, Some(1), &batch).unwrap();
+    assert_eq!((s.lower_tier_stored, s.untracked_blocks), (0, 1));
+}

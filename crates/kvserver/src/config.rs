@@ -63,8 +63,8 @@ pub struct Config {
     #[arg(long, default_value_t = 16 << 20, value_name = "BYTES")]
     pub max_body_bytes: usize,
     /// kv-aware policy: seed (W x missed blocks + active blocks) or prefill-aware (W x
-    /// (pending prefill + missed blocks) + decode blocks; a request decodes from its first
-    /// streamed chunk on).
+    /// (pending prefill + missed blocks) + decode blocks; a streamed request decodes from its
+    /// first chunk on, a plain one counts as prefilling until it finishes).
     #[arg(long, default_value = "seed", value_name = "MODEL")]
     pub cost_model: CostModelName,
     /// kv-aware policy: 0 takes the lowest cost; T > 0 samples workers with probability

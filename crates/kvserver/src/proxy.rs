@@ -294,7 +294,14 @@ fn stream_back(
     worker: Arc<Worker>,
 ) -> Response {
     let (parts, body) = resp.into_parts();
-    let mut prefilling = guard.server.tracks_prefill;
+    // A streamed response's first chunk carries the first token; a plain one arrives whole at
+    // the end, so its request counts as prefilling until it finishes.
+    let streamed = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    let mut prefilling = guard.server.tracks_prefill && streamed;
     let stream = BodyStream::new(body).filter_map(move |frame| {
         // The guard lives as long as the stream: dropped at its end, or with the client.
         let out = match frame {

@@ -763,6 +763,13 @@ impl Engine {
         // The leading run resident now (engine truth), pinned so it stays while the request runs.
         r.held.clear();
         let hits = self.cache.pin_into(&r.blocks, &mut r.held);
+        // The run after it that the host tier holds, taken before the resize below, whose
+        // evictions are demoted into the host tier and could push it out.
+        let host_run = if self.cfg.pool == Pool::Decode || r.first_done {
+            0
+        } else {
+            self.cache.take_host_run(&r.blocks, hits)
+        };
         let total = match self.cfg.kv_allocation {
             // The prompt's blocks only; the rest as decoding goes.
             KvAllocation::Incremental => self.cfg.block_size.blocks_for(r.input),
@@ -817,7 +824,7 @@ impl Engine {
             return true;
         }
         // Blocks after the resident run that the host tier holds are loaded, not recomputed.
-        let loaded = self.cache.take_host_run(&r.blocks, hits);
+        let loaded = host_run;
         if loaded > 0 {
             self.load_ns = self
                 .load_ns

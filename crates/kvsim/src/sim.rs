@@ -1103,15 +1103,21 @@ mod tests {
     use kvroute::Policy;
     use proptest::prelude::*;
 
-    fn finished_run(cfg: &SimConfig) -> (Records, Vec<kvroute::Router>, Vec<(usize, usize)>) {
+    /// A whole run with the default timing, as `Simulation::run` makes it: a fast run that met
+    /// a tie it cannot order stops early and is redone step by step.
+    fn settled_run(cfg: &SimConfig) -> Run<'_> {
         let timing: Arc<dyn TimingModel> = Arc::new(LinearTiming::default());
         let mut run = Run::new(cfg, &timing, Workload::new(cfg), true).unwrap();
         run.simulate(&mut |_| {});
         if run.ambiguous {
-            // As `Simulation::run`: a fast run that met a tie it cannot order stops early.
             run = Run::new(cfg, &timing, Workload::new(cfg), false).unwrap();
             run.simulate(&mut |_| {});
         }
+        run
+    }
+
+    fn finished_run(cfg: &SimConfig) -> (Records, Vec<kvroute::Router>, Vec<(usize, usize)>) {
+        let run = settled_run(cfg);
         let leftovers = run
             .fleet
             .engines
@@ -1200,13 +1206,7 @@ mod tests {
 
     /// The records of a closed-loop run and the plan index of each request id.
     fn closed_run(cfg: &SimConfig) -> (Records, Vec<Turn>, Vec<usize>) {
-        let timing: Arc<dyn TimingModel> = Arc::new(LinearTiming::default());
-        let mut run = Run::new(cfg, &timing, Workload::new(cfg), true).unwrap();
-        run.simulate(&mut |_| {});
-        if run.ambiguous {
-            run = Run::new(cfg, &timing, Workload::new(cfg), false).unwrap();
-            run.simulate(&mut |_| {});
-        }
+        let run = settled_run(cfg);
         let plan = closed_plan(cfg).unwrap();
         let turn_of = run.closed.as_ref().unwrap().turn_of.clone();
         (run.collect(), plan, turn_of)

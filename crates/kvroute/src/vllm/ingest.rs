@@ -191,6 +191,10 @@ impl VllmIngest {
         rank: u32,
         worker: WorkerId,
     ) -> Option<WorkerId> {
+        // A worker stands for one rank at a time.
+        if let Some((e, r)) = self.rank_of.remove(&worker) {
+            self.ranks.remove(&(e, i64::from(r)));
+        }
         let before = self.ranks.insert((engine, i64::from(rank)), worker);
         if let Some(b) = before {
             self.rank_of.remove(&b);
@@ -255,6 +259,10 @@ impl VllmIngest {
         batch: &EventBatch,
     ) -> Result<IngestSummary, VllmError> {
         let worker = self.target(worker, batch);
+        // An engine that has rank workers may itself be unregistered: checked before any change.
+        if router.index().worker_index(worker).is_none() {
+            return Err(crate::Error::UnknownWorker { worker }.into());
+        }
         let checked = validate(batch, router.block_size().get());
         self.counting_rejects(router, worker, checked)?;
         let feed = self.feeds.entry(worker).or_default();
@@ -298,15 +306,27 @@ impl VllmIngest {
                     let tier = Tier::from_medium(st.medium.as_deref());
                     let mut blocks = Vec::with_capacity(st.block_hashes.len());
                     let primary = feed.primary.unwrap_or(None);
-                    for h in &st.block_hashes {
-                        // An offloaded block carries no tokens: it is a block the device held.
-                        match feed.blocks.get(&(primary, h.clone())) {
-                            Some(&ours) => {
+                    // An offloaded block of several of ours (a larger offload block size) names
+                    // them by one hash: which ones is not said, so they are not tracked.
+                    let ours_size = st.block_size == 0 || st.block_size == bs.get() as u64;
+                    for h in st.block_hashes.iter().filter(|_| ours_size) {
+                        // An offloaded block carries no tokens: it is a block the device held,
+                        // or one another lower tier holds.
+                        let known = feed.blocks.get(&(primary, h.clone())).or_else(|| {
+                            [Tier::Host, Tier::Disk]
+                                .iter()
+                                .find_map(|&t| feed.lower.get(&(t, h.clone())))
+                        });
+                        match known.copied() {
+                            Some(ours) => {
                                 feed.lower.insert((tier, h.clone()), ours);
                                 blocks.push(ours);
                             }
                             None => out.untracked_blocks += 1,
                         }
+                    }
+                    if !ours_size {
+                        out.untracked_blocks += st.block_hashes.len();
                     }
                     if !blocks.is_empty() {
                         let a = apply_lower(

@@ -129,12 +129,13 @@
 //!   its own stream; give each rank its own [`WorkerId`] with
 //!   [`VllmIngest::set_rank_worker`] and its batches apply to that worker's mirror. Without
 //!   it, every rank's batches apply to the engine's worker, as if it were one cache.
-//! - `medium`: a `BlockStored` or `BlockRemoved` of another medium than the GPU (`CPU`, `DISK`:
-//!   vLLM's offloading connector) applies to the router's mirror of that [`Tier`]
-//!   ([`Router::apply_tier_event`]), credited by [`TierCredits`] where the device's run ends.
-//!   Such a block carries no tokens: it is mapped through the device's engine-to-ours map, so
-//!   one offloaded after the device removed it is counted in
-//!   [`IngestSummary::untracked_blocks`].
+//! - `medium`: a `BlockStored` or `BlockRemoved` of another medium than the GPU (vLLM's
+//!   offloading connector: `CPU`, `STORAGE`; `DISK`) applies to the router's mirror of that
+//!   [`Tier`] ([`Router::apply_tier_event`]), credited by [`TierCredits`] where the device's run
+//!   ends. Such a block carries no tokens: it is mapped through the device's engine-to-ours map
+//!   or another lower tier's, so one offloaded after both forgot it is counted in
+//!   [`IngestSummary::untracked_blocks`], and so are offloaded blocks larger than ours (one
+//!   hash for several of our blocks).
 //! - The engine-to-ours map of a worker grows by the blocks stored and shrinks by the blocks
 //!   removed; removals lost in missed batches stay until the worker is cleared (by an
 //!   `AllBlocksCleared`, a publisher restart, or [`VllmIngest::forget_worker`]).
