@@ -207,6 +207,14 @@ pub(crate) struct RunArgs {
     /// Engine replicas behind the router.
     #[arg(long, value_name = "N", help_heading = "Fleet")]
     des_instances: Option<usize>,
+    /// Data-parallel ranks per instance, each with its own KV cache (--des-kv-blocks) and batch.
+    #[arg(long, value_name = "R", help_heading = "Fleet")]
+    dp_ranks: Option<usize>,
+    /// With --dp-ranks: rank (the router picks the engine and the rank, mirroring each rank) or
+    /// engine (the router picks an engine, which hands requests to its ranks in turn, and
+    /// mirrors it as one cache from all its ranks' events).
+    #[arg(long, value_parser = parse_dp_routing, value_name = "WHAT", help_heading = "Fleet")]
+    dp_routing: Option<kvsim::DpRouting>,
     /// Host-memory KV blocks per engine: device evictions are demoted there and loaded back
     /// instead of recomputed (unset: no host tier).
     #[arg(long, value_name = "BLOCKS", help_heading = "Fleet")]
@@ -420,6 +428,8 @@ pub(crate) const FLAGS: &[(&str, &str)] = &[
     ("busy_prefill_tokens", "--busy-threshold"),
     ("predicted_ttl_us", "--predicted-ttl-ms"),
     ("host_kv_blocks", "--host-kv-blocks"),
+    ("dp_ranks", "--dp-ranks"),
+    ("dp_routing", "--dp-routing"),
     ("host_load_gbps", "--host-load-gbps"),
     ("host_hit_credit", "--host-hit-credit"),
     ("trace_speedup", "--trace-speedup"),
@@ -532,6 +542,8 @@ fn defaults() -> Vec<(&'static str, String)> {
         ("cost_model", d.cost_model.to_string()),
         ("router_temperature", d.router_temperature.to_string()),
         ("host_load_gbps", d.host_load_gbps.to_string()),
+        ("dp_ranks", d.dp_ranks.to_string()),
+        ("dp_routing", d.dp_routing.to_string()),
         ("host_hit_credit", d.host_hit_credit.to_string()),
         (
             "predicted_ttl_ms",
@@ -591,6 +603,10 @@ fn parse_popularity(s: &str) -> Result<Popularity, String> {
 
 fn parse_policy(s: &str) -> Result<Policy, String> {
     s.parse::<Policy>().map_err(|e| e.to_string())
+}
+
+fn parse_dp_routing(s: &str) -> Result<kvsim::DpRouting, String> {
+    s.parse().map_err(expected)
 }
 
 fn parse_cost_model(s: &str) -> Result<CostModel, String> {
@@ -738,6 +754,8 @@ impl RunArgs {
         set(&mut cfg.cost_model, &self.cost_model);
         set(&mut cfg.router_temperature, &self.router_temperature);
         set(&mut cfg.host_load_gbps, &self.host_load_gbps);
+        set(&mut cfg.dp_ranks, &self.dp_ranks);
+        set(&mut cfg.dp_routing, &self.dp_routing);
         set(&mut cfg.host_hit_credit, &self.host_hit_credit);
         if self.host_kv_blocks.is_some() {
             cfg.host_kv_blocks = self.host_kv_blocks;

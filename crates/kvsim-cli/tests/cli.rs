@@ -132,6 +132,8 @@ fn bad_flags_exit_2_with_one_line_naming_the_flag() {
         (&["--predicted-ttl-ms", "-5"][..], "--predicted-ttl-ms"),
         (&["--host-hit-credit", "2"][..], "--host-hit-credit"),
         (&["--host-load-gbps", "0"][..], "--host-load-gbps"),
+        (&["--dp-ranks", "0"][..], "--dp-ranks"),
+        (&["--dp-routing", "gpu"][..], "rank or engine"),
         (&["--slo-ttft-ms", "0"][..], "--slo-ttft-ms"),
         (&["--kv-allocation", "lazy"][..], "reserve or incremental"),
         (&["--concurrency", "0"][..], "--concurrency"),

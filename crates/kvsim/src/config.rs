@@ -131,6 +131,40 @@ impl FromStr for PdLink {
     }
 }
 
+/// What the routers see of data-parallel engines (`--dp-routing`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum DpRouting {
+    /// Each rank is a worker of its own: the router picks the engine and the rank, and mirrors
+    /// each rank's cache from its own events.
+    #[default]
+    Rank,
+    /// The router picks an engine, which hands requests to its ranks in turn, and mirrors the
+    /// engine as one cache from all its ranks' events (a router that ignores
+    /// `data_parallel_rank`).
+    Engine,
+}
+
+impl fmt::Display for DpRouting {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DpRouting::Rank => "rank",
+            DpRouting::Engine => "engine",
+        })
+    }
+}
+
+impl FromStr for DpRouting {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s {
+            "rank" => Ok(DpRouting::Rank),
+            "engine" => Ok(DpRouting::Engine),
+            _ => Err(Error::invalid("dp_routing", s, "rank or engine")),
+        }
+    }
+}
+
 /// How a trace's requests are timed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
@@ -276,6 +310,11 @@ pub struct SimConfig {
     /// What the routers credit a host-tier hit against a device hit, 0 to 1
     /// (`--host-hit-credit`; 0: the routers ignore the host tier).
     pub host_hit_credit: f64,
+    /// Data-parallel ranks per instance, each with its own KV cache of `kv_blocks` and its own
+    /// batch (`--dp-ranks`; unified pools only).
+    pub dp_ranks: usize,
+    /// What the routers see of the ranks (`--dp-routing`).
+    pub dp_routing: DpRouting,
     /// Replay this trace instead of the synthetic prefix pool (`--trace`): its first
     /// `num_requests` requests. See [`SimConfig::with_trace`].
     pub trace: Option<Arc<Trace>>,
@@ -347,6 +386,8 @@ impl Default for SimConfig {
             host_kv_blocks: None,
             host_load_gbps: 25.0,
             host_hit_credit: 0.75,
+            dp_ranks: 1,
+            dp_routing: DpRouting::Rank,
             trace: None,
             trace_speedup: 1.0,
             trace_timing: TraceTiming::Keep,
@@ -427,12 +468,13 @@ impl SimConfig {
         self.prefill_instances.is_some() || self.decode_instances.is_some()
     }
 
-    /// Engines in all: `instances`, or prefill plus decode engines.
+    /// Engines in all, each data-parallel rank one: `instances × dp_ranks`, or prefill plus
+    /// decode engines.
     pub fn engine_count(&self) -> usize {
         if self.disaggregated() {
             self.prefill_instances.unwrap_or(0) + self.decode_instances.unwrap_or(0)
         } else {
-            self.instances
+            self.instances.saturating_mul(self.dp_ranks)
         }
     }
 
@@ -532,6 +574,16 @@ impl SimConfig {
         }
         at_least_one("output_len", self.output_len)?;
         at_least_one("instances", self.instances)?;
+        at_least_one("dp_ranks", self.dp_ranks)?;
+        at_most("dp_ranks", self.dp_ranks, 64)?;
+        at_most("dp_ranks", self.engine_count(), MAX_ENGINES)?;
+        if self.dp_ranks > 1 && self.disaggregated() {
+            return Err(Error::invalid(
+                "dp_ranks",
+                self.dp_ranks,
+                "1 with prefill_instances and decode_instances (data-parallel ranks are simulated in unified pools)",
+            ));
+        }
         if let Some(k) = self.kv_blocks {
             at_least_one("kv_blocks", k)?;
         }

@@ -6,7 +6,7 @@ use kvblock::BlockHash;
 use kvcache::{KvEvent, Tier, WorkerId};
 use kvroute::{RequestId, Role, Router};
 
-use crate::config::SimConfig;
+use crate::config::{DpRouting, SimConfig};
 use crate::engine::{Engine, EngineConfig, Pool};
 use crate::error::Error;
 use crate::timing::TimingModel;
@@ -123,6 +123,11 @@ pub(crate) struct Fleet {
     pub(crate) routers: Routers,
     /// Decode pool routers, when disaggregated.
     pub(crate) decode_routers: Option<Routers>,
+    /// Data-parallel ranks per instance, and whether each is a router worker of its own.
+    dp_ranks: usize,
+    rank_workers: bool,
+    /// Routed by engine: each engine's next rank.
+    next_rank: Vec<usize>,
 }
 
 impl Fleet {
@@ -148,19 +153,59 @@ impl Fleet {
                     Routers::new(cfg, Role::Prefill, 0..p)?,
                     Some(Routers::new(cfg, Role::Decode, p..p + d)?),
                 ),
-                _ => (
-                    (0..cfg.instances).map(|_| engine(Pool::Unified)).collect(),
-                    Routers::new(cfg, Role::Unified, 0..cfg.instances)?,
-                    None,
-                ),
+                _ => {
+                    // Every rank is an engine; the routers' workers are the ranks, or the
+                    // instances when they route by engine.
+                    let workers = match cfg.dp_routing {
+                        DpRouting::Engine => cfg.instances,
+                        _ => cfg.engine_count(),
+                    };
+                    (
+                        (0..cfg.engine_count())
+                            .map(|_| engine(Pool::Unified))
+                            .collect(),
+                        Routers::new(cfg, Role::Unified, 0..workers)?,
+                        None,
+                    )
+                }
             };
         Ok(Fleet {
             next_event_id: vec![0; engines.len()],
             next_host_event_id: vec![0; engines.len()],
+            dp_ranks: cfg.dp_ranks,
+            rank_workers: cfg.dp_routing != DpRouting::Engine || cfg.dp_ranks == 1,
+            next_rank: vec![0; cfg.instances],
             engines,
             routers,
             decode_routers,
         })
+    }
+
+    /// Routes request `id` in the unified or prefill pool at `now_us`; returns (replica, engine).
+    /// Routed by engine, the chosen engine's next rank takes it.
+    pub(crate) fn route(
+        &mut self,
+        id: usize,
+        blocks: &[BlockHash],
+        now_us: u64,
+    ) -> Result<(usize, usize), kvroute::Error> {
+        let (replica, w) = self.routers.route(id, blocks, now_us)?;
+        if self.rank_workers {
+            return Ok((replica, w));
+        }
+        let rank = self.next_rank[w];
+        self.next_rank[w] = (rank + 1) % self.dp_ranks;
+        Ok((replica, w * self.dp_ranks + rank))
+    }
+
+    /// The router worker whose mirror engine `e`'s events feed: `e`, or its instance when the
+    /// routers see engines, not ranks.
+    pub(crate) fn worker_of(&self, e: usize) -> usize {
+        if self.rank_workers {
+            e
+        } else {
+            e / self.dp_ranks
+        }
     }
 
     /// The routers of engine `e`'s pool.

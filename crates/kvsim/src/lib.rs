@@ -63,7 +63,7 @@ mod trace;
 mod workload;
 
 pub use calibrate::{fit_linear, load_steps, parse_steps, LinearFit, StepSample, STEPS_HEADER};
-pub use config::{ArrivalModel, PdLink, Popularity, SimConfig, TraceTiming};
+pub use config::{ArrivalModel, DpRouting, PdLink, Popularity, SimConfig, TraceTiming};
 pub use engine::{Engine, EngineConfig, EngineRequest, KvAllocation, Outcome, PlannedStep, Pool};
 pub use error::{Error, TraceError};
 pub use kvroute::{CostModel, Policy};

@@ -297,6 +297,13 @@ pub struct Report {
     /// Hits per tier (absent without a host tier).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tiers: Option<TierReport>,
+    /// Data-parallel ranks per instance, when more than one (every rank is one of `instances`
+    /// and of `per_instance`, ranks of an instance adjacent).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dp_ranks: Option<usize>,
+    /// What the routers saw of the ranks: `rank` or `engine` (with `dp_ranks`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dp_routing: Option<String>,
 }
 
 impl Report {
@@ -450,6 +457,8 @@ impl Report {
                 .then(|| c.engines.iter().map(|e| e.recomputed_tokens).sum()),
             turns: turns.then(|| TurnsReport::build(&done, bs)),
             tiers,
+            dp_ranks: (cfg.dp_ranks > 1).then_some(cfg.dp_ranks),
+            dp_routing: (cfg.dp_ranks > 1).then(|| cfg.dp_routing.to_string()),
         }
     }
 
@@ -472,6 +481,13 @@ impl Report {
             ),
             None => self.instances.to_string(),
         };
+        let dp = match (self.dp_ranks, &self.dp_routing) {
+            (Some(r), Some(by)) => format!(
+                " ({} x {r} data-parallel ranks, routed by {by})",
+                self.instances / r.max(1)
+            ),
+            _ => String::new(),
+        };
         let routers = if self.routers > 1 {
             format!(", {} routers", self.routers)
         } else {
@@ -479,7 +495,7 @@ impl Report {
         };
         let _ = writeln!(
             s,
-            "  Fleet: {fleet} instance(s), routing={}{routers} | {}",
+            "  Fleet: {fleet} instance(s){dp}, routing={}{routers} | {}",
             self.routing, self.content
         );
         let _ = writeln!(

@@ -220,3 +220,43 @@ fn host_tier_hits_are_loaded_not_recomputed() {
     assert!(json.contains("\"host_hit_blocks\""), "{json}");
     assert!(!without.to_json().contains("\"tiers\""));
 }
+
+/// Data-parallel ranks routed by rank are that many engines: 2 instances of 2 ranks report
+/// exactly what 4 instances do (but for saying so). Routed by engine, the routers see 2 caches
+/// mixed from 2 ranks each.
+#[test]
+fn dp_ranks_routed_by_rank_are_engines_of_their_own() {
+    let mut c = cfg();
+    c.num_requests = 300;
+    c.kv_blocks = Some(60);
+    c.instances = 4;
+    let four = run(c.clone()).to_json();
+    c.instances = 2;
+    c.dp_ranks = 2;
+    let ranked = run(c.clone());
+    assert_eq!(
+        (ranked.dp_ranks, ranked.dp_routing.as_deref()),
+        (Some(2), Some("rank"))
+    );
+    let json: String = ranked
+        .to_json()
+        .lines()
+        .filter(|l| !l.contains("\"dp_ranks\"") && !l.contains("\"dp_routing\""))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let four: String = four.lines().map(|l| format!("{l}\n")).collect();
+    // The last field before the dp fields loses its comma when they go: compare without commas.
+    assert_eq!(json.replace(',', ""), four.replace(',', ""));
+    assert!(ranked
+        .to_text(false)
+        .contains("4 instance(s) (2 x 2 data-parallel ranks, routed by rank)"));
+    c.dp_routing = kvsim::DpRouting::Engine;
+    let by_engine = run(c);
+    assert_eq!(by_engine.completed, 300);
+    assert_eq!(by_engine.per_instance.len(), 4);
+    let mut bad = cfg();
+    bad.dp_ranks = 2;
+    bad.prefill_instances = Some(1);
+    bad.decode_instances = Some(1);
+    assert!(Simulation::new(bad).is_err());
+}
