@@ -291,6 +291,13 @@ pub(crate) struct RunArgs {
     /// Router replicas, each with its own load view and cache index, taking arrivals in turn.
     #[arg(long, value_name = "R", help_heading = "Routing")]
     des_routers: Option<usize>,
+    /// Router replicas share their in-flight load: each route and finish reaches the others as
+    /// a load delta after --des-sync-delay-ms.
+    #[arg(long, help_heading = "Routing")]
+    des_router_sync: bool,
+    /// Delay of a load delta between router replicas, milliseconds.
+    #[arg(long, value_name = "MS", help_heading = "Routing")]
+    des_sync_delay_ms: Option<f64>,
     /// kv policy: seed (W x missed blocks + active blocks) or prefill-aware
     /// (W x (pending prefill + missed blocks) + decode blocks).
     #[arg(long, value_parser = parse_cost_model, value_name = "MODEL", help_heading = "Routing")]
@@ -429,6 +436,8 @@ pub(crate) const FLAGS: &[(&str, &str)] = &[
     ("predicted_ttl_us", "--predicted-ttl-ms"),
     ("host_kv_blocks", "--host-kv-blocks"),
     ("dp_ranks", "--dp-ranks"),
+    ("router_sync", "--des-router-sync"),
+    ("sync_delay_us", "--des-sync-delay-ms"),
     ("dp_routing", "--dp-routing"),
     ("host_load_gbps", "--host-load-gbps"),
     ("host_hit_credit", "--host-hit-credit"),
@@ -539,6 +548,10 @@ fn defaults() -> Vec<(&'static str, String)> {
             (d.event_delay_us as f64 / 1000.0).to_string(),
         ),
         ("des_routers", d.routers.to_string()),
+        (
+            "des_sync_delay_ms",
+            (d.sync_delay_us as f64 / 1000.0).to_string(),
+        ),
         ("cost_model", d.cost_model.to_string()),
         ("router_temperature", d.router_temperature.to_string()),
         ("host_load_gbps", d.host_load_gbps.to_string()),
@@ -755,6 +768,17 @@ impl RunArgs {
         set(&mut cfg.router_temperature, &self.router_temperature);
         set(&mut cfg.host_load_gbps, &self.host_load_gbps);
         set(&mut cfg.dp_ranks, &self.dp_ranks);
+        if self.des_router_sync {
+            cfg.router_sync = true;
+        }
+        if let Some(ms) = self.des_sync_delay_ms {
+            if !(ms.is_finite() && (0.0..=1e9).contains(&ms)) {
+                return Err(format!(
+                    "invalid --des-sync-delay-ms {ms}: expected a number of milliseconds from 0 to 1e9"
+                ));
+            }
+            cfg.sync_delay_us = (ms * 1000.0).round() as u64;
+        }
         set(&mut cfg.dp_routing, &self.dp_routing);
         set(&mut cfg.host_hit_credit, &self.host_hit_credit);
         if self.host_kv_blocks.is_some() {

@@ -78,6 +78,7 @@ fn routing_model_options_off_are_byte_identical() {
         &["--predicted-ttl-ms", "0"][..],
         &["--busy-threshold", "prefill-tokens=100000000"][..],
         &["--host-hit-credit", "0.75", "--host-load-gbps", "25"][..],
+        &["--des-router-sync", "--des-sync-delay-ms", "5"][..],
     ] {
         assert_eq!(with(off), plain, "{off:?}");
     }
@@ -86,6 +87,7 @@ fn routing_model_options_off_are_byte_identical() {
         &["--router-temperature", "2"][..],
         &["--busy-threshold", "decode=0.05,prefill-tokens=2048"][..],
         &["--host-kv-blocks", "4000", "--des-kv-blocks", "300"][..],
+        &["--des-routers", "2", "--des-router-sync", "--des-sync-delay-ms", "5"][..],
     ] {
         let out = with(on);
         assert_ne!(out, plain, "{on:?} changed nothing");
@@ -133,6 +135,7 @@ fn bad_flags_exit_2_with_one_line_naming_the_flag() {
         (&["--host-hit-credit", "2"][..], "--host-hit-credit"),
         (&["--host-load-gbps", "0"][..], "--host-load-gbps"),
         (&["--dp-ranks", "0"][..], "--dp-ranks"),
+        (&["--des-sync-delay-ms=-1"][..], "--des-sync-delay-ms"),
         (&["--dp-routing", "gpu"][..], "rank or engine"),
         (&["--slo-ttft-ms", "0"][..], "--slo-ttft-ms"),
         (&["--kv-allocation", "lazy"][..], "reserve or incremental"),

@@ -310,6 +310,12 @@ pub struct SimConfig {
     /// What the routers credit a host-tier hit against a device hit, 0 to 1
     /// (`--host-hit-credit`; 0: the routers ignore the host tier).
     pub host_hit_credit: f64,
+    /// Router replicas share their in-flight load: each route and finish reaches the other
+    /// replicas of its pool as a load delta after `sync_delay_us` (`--des-router-sync`).
+    pub router_sync: bool,
+    /// Delay of a load delta between router replicas, microseconds (`--des-sync-delay-ms` ×
+    /// 1000).
+    pub sync_delay_us: u64,
     /// Data-parallel ranks per instance, each with its own KV cache of `kv_blocks` and its own
     /// batch (`--dp-ranks`; unified pools only).
     pub dp_ranks: usize,
@@ -386,6 +392,8 @@ impl Default for SimConfig {
             host_kv_blocks: None,
             host_load_gbps: 25.0,
             host_hit_credit: 0.75,
+            router_sync: false,
+            sync_delay_us: 0,
             dp_ranks: 1,
             dp_routing: DpRouting::Rank,
             trace: None,

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use kvblock::BlockHash;
 use kvcache::{KvEvent, Tier, WorkerId};
-use kvroute::{RequestId, Role, Router};
+use kvroute::{LoadDelta, RequestId, Role, Router};
 
 use crate::config::{DpRouting, SimConfig};
 use crate::engine::{Engine, EngineConfig, Pool};
@@ -41,6 +41,12 @@ impl Routers {
                 if let Some(t) = cfg.busy_threshold() {
                     b = b.busy_threshold(t);
                 }
+                if cfg.router_sync && cfg.routers > 1 {
+                    // Simulated requests never lose their Finished delta: no time limit.
+                    b = b
+                        .replica(r as u64)
+                        .remote_load_ttl(std::time::Duration::MAX);
+                }
                 let mut router = b
                     .tier_credits(kvroute::TierCredits::new(cfg.host_hit_credit, 0.0))
                     .cost_model(cfg.cost_model)
@@ -74,6 +80,23 @@ impl Routers {
         router.set_clock(std::time::Duration::from_micros(now_us));
         let d = router.route(RequestId::new(id as u64), blocks, self.role)?;
         Ok((r, d.worker.get() as usize))
+    }
+
+    /// The load deltas replica `replica` queued since the last call.
+    pub(crate) fn take_deltas(&mut self, replica: usize) -> Vec<LoadDelta> {
+        self.replicas[replica].drain_load_deltas()
+    }
+
+    /// Applies replica `from`'s load deltas to every other replica, at simulated time `now_us`.
+    pub(crate) fn apply_deltas(&mut self, from: usize, deltas: &[LoadDelta], now_us: u64) {
+        let now = std::time::Duration::from_micros(now_us);
+        for (r, router) in self.replicas.iter_mut().enumerate() {
+            if r != from {
+                for d in deltas {
+                    router.apply_load_delta(d, now);
+                }
+            }
+        }
     }
 
     /// Request `id` produced its first token: the replica that routed it moves it from pending

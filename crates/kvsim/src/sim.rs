@@ -105,6 +105,8 @@ enum Kind {
     Ready(usize),
     /// Closed loop: turn `.0`, which holds a slot already, is sent.
     Send(usize),
+    /// Router replicas of the pool (decode pool when `.0`) receive replica `.1`'s load deltas.
+    Sync(bool, usize, Vec<kvroute::LoadDelta>),
     /// Shared links: the next transfer on prefill engine `.0`'s link completes; stale
     /// unless `.1` is the link's generation.
     LinkDone(usize, u32),
@@ -535,6 +537,11 @@ impl<'a> Run<'a> {
                 }
                 Kind::Send(j) => self.send_turn(j),
                 Kind::LinkDone(e, g) => self.link_done(e, g),
+                Kind::Sync(decode, from, deltas) => {
+                    let side = if decode { Pool::Decode } else { Pool::Unified };
+                    let now = self.now;
+                    self.fleet.routers_of(side).apply_deltas(from, &deltas, now);
+                }
             }
             if self.ambiguous {
                 return;
@@ -734,6 +741,7 @@ impl<'a> Run<'a> {
                 (0, 0)
             }
         };
+        self.share_load(Pool::Unified, router);
         self.reqs.push(Req {
             rec: RequestRecord {
                 arrival: self.now,
@@ -789,12 +797,37 @@ impl<'a> Run<'a> {
         f: fn(&mut Routers, usize, usize) -> Result<(), kvroute::Error>,
     ) {
         let req = &self.reqs[r];
-        let done = match (side, &mut self.fleet.decode_routers) {
-            (Pool::Decode, Some(d)) => f(d, req.decode_router, r),
-            _ => f(&mut self.fleet.routers, req.router, r),
+        let (replica, done) = match (side, &mut self.fleet.decode_routers) {
+            (Pool::Decode, Some(d)) => (req.decode_router, f(d, req.decode_router, r)),
+            _ => (req.router, f(&mut self.fleet.routers, req.router, r)),
         };
         if done.is_err() {
             self.router_errors += 1;
+        }
+        self.share_load(side, replica);
+    }
+
+    /// With router sync: sends what replica `replica` of `side`'s pool queued to the others,
+    /// after the sync delay.
+    fn share_load(&mut self, side: Pool, replica: usize) {
+        if !self.cfg.router_sync || self.cfg.routers < 2 {
+            return;
+        }
+        let deltas = self.fleet.routers_of(side).take_deltas(replica);
+        if deltas.is_empty() {
+            return;
+        }
+        if self.cfg.sync_delay_us == 0 {
+            let now = self.now;
+            self.fleet
+                .routers_of(side)
+                .apply_deltas(replica, &deltas, now);
+        } else {
+            let decode = side == Pool::Decode && self.fleet.decode_routers.is_some();
+            self.push(
+                self.now.saturating_add(self.cfg.sync_delay_us),
+                Kind::Sync(decode, replica, deltas),
+            );
         }
     }
 
@@ -922,6 +955,7 @@ impl<'a> Run<'a> {
                 return;
             }
         };
+        self.share_load(Pool::Decode, router);
         let bs = self.cfg.block_size.get();
         let decode_hits = self.fleet.engines[d].cache().match_len(&blocks);
         let req = &mut self.reqs[r];
@@ -1193,6 +1227,8 @@ mod tests {
         temperature: f64,
         busy: Option<(f64, usize)>,
         predicted_ttl_us: u64,
+        /// Router sync and its delay.
+        sync: Option<u64>,
     }
 
     impl RoutingModel {
@@ -1204,6 +1240,8 @@ mod tests {
                 busy_decode_fraction: self.busy.filter(|_| kv.is_some()).map(|b| b.0),
                 busy_prefill_tokens: self.busy.map(|b| b.1),
                 predicted_ttl_us: self.predicted_ttl_us,
+                router_sync: self.sync.is_some(),
+                sync_delay_us: self.sync.unwrap_or(0),
                 ..SimConfig::default()
             }
         }
@@ -1304,15 +1342,17 @@ mod tests {
             prop::sample::select(vec![0.0f64, 0.5, 2.0]),
             prop::option::of((prop::sample::select(vec![0.25f64, 0.8]), 0usize..2000)),
             prop::sample::select(vec![0u64, 3_000, 50_000]),
+            prop::option::of(prop::sample::select(vec![0u64, 1, 2_000])),
         )
-            .prop_map(
-                |(cost_model, temperature, busy, predicted_ttl_us)| RoutingModel {
+            .prop_map(|(cost_model, temperature, busy, predicted_ttl_us, sync)| {
+                RoutingModel {
                     cost_model,
                     temperature,
                     busy,
                     predicted_ttl_us,
-                },
-            )
+                    sync,
+                }
+            })
     }
 
     /// A turn's prompt is the previous prompt, its answer and new text: its blocks extend the
@@ -1464,8 +1504,9 @@ mod tests {
             prop_assert!(leftovers.iter().all(|&l| l == (0, 0)), "{:?}", leftovers);
             prop_assert_eq!(c.router_errors + c.inconsistent_inserts, 0);
             for router in &routers {
-                prop_assert_eq!(router.in_flight_total(), 0);
+                prop_assert_eq!((router.in_flight_total(), router.remote_in_flight()), (0, 0));
                 for w in router.workers() {
+                    prop_assert_eq!(router.active_blocks(w), 0);
                     prop_assert_eq!((router.pending_prefill_blocks(w), router.decode_blocks(w)), (0, 0));
                     prop_assert_eq!(router.tier_view(w, Tier::Host), c.engines[w.get() as usize].host_blocks);
                     prop_assert_eq!(router.cache_view(w), c.engines[w.get() as usize].resident_blocks);
