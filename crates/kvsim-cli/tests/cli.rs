@@ -87,7 +87,13 @@ fn routing_model_options_off_are_byte_identical() {
         &["--router-temperature", "2"][..],
         &["--busy-threshold", "decode=0.05,prefill-tokens=2048"][..],
         &["--host-kv-blocks", "4000", "--des-kv-blocks", "300"][..],
-        &["--des-routers", "2", "--des-router-sync", "--des-sync-delay-ms", "5"][..],
+        &[
+            "--des-routers",
+            "2",
+            "--des-router-sync",
+            "--des-sync-delay-ms",
+            "5",
+        ][..],
     ] {
         let out = with(on);
         assert_ne!(out, plain, "{on:?} changed nothing");
