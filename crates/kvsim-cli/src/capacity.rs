@@ -307,7 +307,8 @@ pub(crate) fn main(args: &CapacityArgs) -> ExitCode {
             first_failure: failure,
             probes: order.iter().map(|&i| probes[i].clone()).collect(),
         };
-        println!("{}", serde_json::to_string_pretty(&out).unwrap_or_default());
+        let json = serde_json::to_string_pretty(&out).unwrap_or_default();
+        crate::emit(&format!("{json}\n"));
     } else {
         let head = reports.first().map_or_else(String::new, |r| {
             format!(
@@ -320,11 +321,15 @@ pub(crate) fn main(args: &CapacityArgs) -> ExitCode {
                 }
             )
         });
-        print!(
-            "{}",
-            to_table(find, args.attainment, slo, &head, &probes, &order)
-        );
-        print!("{}", answer_line(find, args, pass, failure, &probes));
+        crate::emit(&to_table(
+            find,
+            args.attainment,
+            slo,
+            &head,
+            &probes,
+            &order,
+        ));
+        crate::emit(&answer_line(find, args, pass, failure, &probes));
     }
     eprintln!(
         "kvsim: capacity search: {} runs in {} rounds, {:.2} s wall time",

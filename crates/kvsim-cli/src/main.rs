@@ -125,11 +125,18 @@ fn run(args: &RunArgs) -> ExitCode {
         b.finish_and_clear();
     }
     match result {
-        Ok(report) if args.json() => println!("{}", report.to_json()),
-        Ok(report) => print!("{}", report.to_text(args.verbose())),
+        Ok(report) if args.json() => emit(&format!("{}\n", report.to_json())),
+        Ok(report) => emit(&report.to_text(args.verbose())),
         Err(e) => return usage_error(flagged(&e)),
     }
     ExitCode::SUCCESS
+}
+
+/// Writes `text` to stdout; a reader that went away (`kvsim ... | head`) is not an error.
+pub(crate) fn emit(text: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_all(text.as_bytes()).and_then(|()| out.flush());
 }
 
 fn trace_stats(file: &std::path::Path, block_size: usize, format: &str) -> ExitCode {
@@ -140,12 +147,10 @@ fn trace_stats(file: &std::path::Path, block_size: usize, format: &str) -> ExitC
         Ok(t) => {
             let stats = t.stats();
             if format == "json" {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&stats).unwrap_or_default()
-                );
+                let json = serde_json::to_string_pretty(&stats).unwrap_or_default();
+                emit(&format!("{json}\n"));
             } else {
-                print!("{}", stats.to_text(t.name()));
+                emit(&stats.to_text(t.name()));
             }
             ExitCode::SUCCESS
         }

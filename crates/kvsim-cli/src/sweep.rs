@@ -101,17 +101,15 @@ pub(crate) fn main(args: &SweepArgs, name: &str, configs: Vec<(String, SimConfig
         }
     }
     if args.batch.run.json() {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&rows).unwrap_or_default()
-        );
+        let json = serde_json::to_string_pretty(&rows).unwrap_or_default();
+        crate::emit(&format!("{json}\n"));
     } else {
         let head = reports
             .first()
             .map(|r| r.to_text(false))
             .unwrap_or_default();
         let fleet = head.lines().next().unwrap_or("").trim();
-        print!("{}", to_table(name, fleet, &rows));
+        crate::emit(&to_table(name, fleet, &rows));
     }
     ExitCode::SUCCESS
 }
