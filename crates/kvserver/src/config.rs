@@ -62,6 +62,10 @@ pub struct Config {
     /// Largest request body accepted; larger ones get 413.
     #[arg(long, default_value_t = 16 << 20, value_name = "BYTES")]
     pub max_body_bytes: usize,
+    /// Seconds a worker may take to start its response (its headers; a streamed body may take
+    /// longer) before the request gets 504.
+    #[arg(long, default_value_t = 600.0, value_name = "SECONDS", value_parser = parse_timeout)]
+    pub upstream_timeout_s: f64,
     /// kv-aware policy: seed (W x missed blocks + active blocks) or prefill-aware (W x
     /// (pending prefill + missed blocks) + decode blocks; a streamed request decodes from its
     /// first chunk on, a plain one counts as prefilling until it finishes).
@@ -135,6 +139,15 @@ impl From<PolicyName> for kvroute::Policy {
             PolicyName::RoundRobin => kvroute::Policy::RoundRobin,
             PolicyName::Random => kvroute::Policy::Random,
         }
+    }
+}
+
+fn parse_timeout(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(t) if t.is_finite() && t > 0.0 && t <= 1e6 => Ok(t),
+        _ => Err(format!(
+            "expected a number of seconds above 0 and at most 1e6, got {s:?}"
+        )),
     }
 }
 

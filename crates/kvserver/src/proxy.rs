@@ -29,6 +29,8 @@ pub fn app(server: Arc<Server>) -> axum::Router {
         .route("/metrics", get(metrics))
         .route("/v1/admin/cache-view/{worker}", get(cache_view))
         .route("/v1/admin/workers", get(workers))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(server)
 }
@@ -43,6 +45,25 @@ fn error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response
         body.to_string(),
     )
         .into_response()
+}
+
+async fn not_found(uri: axum::http::Uri) -> Response {
+    error(
+        StatusCode::NOT_FOUND,
+        "NotFoundError",
+        format!(
+            "no route {}: see kvserver --help for the endpoints",
+            uri.path()
+        ),
+    )
+}
+
+async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> Response {
+    error(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "MethodNotAllowedError",
+        format!("{method} is not accepted on {}", uri.path()),
+    )
 }
 
 fn bad(message: impl Into<String>) -> Response {
@@ -249,7 +270,23 @@ async fn forward(
             Ok(r) => r,
             Err(e) => return bad(format!("cannot forward the request: {e}")),
         };
-        match server.client.request(req).await {
+        let limit = std::time::Duration::from_secs_f64(server.cfg.upstream_timeout_s);
+        let sent = match tokio::time::timeout(limit, server.client.request(req)).await {
+            Ok(sent) => sent,
+            // Sent, and perhaps running: not tried elsewhere.
+            Err(_) => {
+                worker.upstream_errors.fetch_add(1, Ordering::Relaxed);
+                return error(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    "GatewayTimeoutError",
+                    format!(
+                        "worker {} did not answer within --upstream-timeout-s {}",
+                        worker.spec.name, server.cfg.upstream_timeout_s
+                    ),
+                );
+            }
+        };
+        match sent {
             Ok(resp) => {
                 worker.routed.fetch_add(1, Ordering::Relaxed);
                 let c = &server.counters;

@@ -111,6 +111,13 @@ fn bad_input_gets_openai_errors() {
     assert!(m.contains("--max-body-bytes"), "{m}");
     let (s, _) = http(server.port, "GET", "/v1/admin/cache-view/nobody:1", None);
     assert_eq!(s, 404);
+    // Unknown paths and methods are OpenAI-shaped errors too.
+    let (s, m) = error(http(server.port, "GET", "/v1/embeddings", None));
+    assert_eq!(s, 404);
+    assert!(m.contains("/v1/embeddings"), "{m}");
+    let (s, m) = error(http(server.port, "GET", "/v1/completions", None));
+    assert_eq!(s, 405);
+    assert!(m.contains("GET"), "{m}");
     // The engine's own errors come back as they are.
     let (s, body) = server.post(
         "/v1/completions",
@@ -302,4 +309,21 @@ fn an_engine_killed_mid_stream_ends_the_response_and_releases_the_load() {
     );
     let (status, _) = server.post("/v1/completions", &completion(&[1, 2], false));
     assert_eq!(status, 503);
+}
+
+/// A worker that does not start its answer within --upstream-timeout-s gets the request a 504,
+/// quickly; the server goes on serving.
+#[test]
+fn a_slow_worker_is_a_gateway_timeout() {
+    // Real time: 2,000 tokens take over 14 s of 7 ms steps.
+    let a = Engine::start_with(free_port(), free_port(), free_port(), &["--speedup", "1"]);
+    let server = Kvserver::start(&[&a], &["--upstream-timeout-s", "0.3"]);
+    let slow = serde_json::json!({"prompt": [1, 2, 3], "max_tokens": 2000, "ignore_eos": true});
+    let started = Instant::now();
+    let (status, body) = server.post("/v1/completions", &slow.to_string());
+    assert_eq!(status, 504, "{body}");
+    assert!(body.contains("--upstream-timeout-s"), "{body}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+    let (status, body) = server.post("/v1/completions", &completion(&[1, 2, 3], true));
+    assert_eq!(status, 200, "{body}");
 }
