@@ -62,8 +62,10 @@ pub struct Config {
     /// Largest request body accepted; larger ones get 413.
     #[arg(long, default_value_t = 16 << 20, value_name = "BYTES")]
     pub max_body_bytes: usize,
-    /// Seconds a worker may take to start its response (its headers; a streamed body may take
-    /// longer) before the request gets 504.
+    /// Seconds a worker may take to start its response before the request gets 504: a streamed
+    /// response starts with its first chunk, a plain one only when the whole answer is ready,
+    /// so raise it for long non-streamed generations. The router's load for the request is
+    /// released at the 504, though the engine may still run it.
     #[arg(long, default_value_t = 600.0, value_name = "SECONDS", value_parser = parse_timeout)]
     pub upstream_timeout_s: f64,
     /// kv-aware policy: seed (W x missed blocks + active blocks) or prefill-aware (W x

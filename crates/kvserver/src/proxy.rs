@@ -52,7 +52,8 @@ async fn not_found(uri: axum::http::Uri) -> Response {
         StatusCode::NOT_FOUND,
         "NotFoundError",
         format!(
-            "no route {}: see kvserver --help for the endpoints",
+            "no route {}: the endpoints are POST /v1/completions, POST /v1/chat/completions, \
+             GET /v1/models, /health, /metrics, /v1/admin/workers, /v1/admin/cache-view/WORKER",
             uri.path()
         ),
     )

@@ -323,7 +323,7 @@ impl Server {
                 get(&w.routed)
             );
         }
-        let _ = writeln!(out, "# HELP kvserver_upstream_errors_total Requests a worker refused or broke off, by worker.\n# TYPE kvserver_upstream_errors_total counter");
+        let _ = writeln!(out, "# HELP kvserver_upstream_errors_total Requests a worker refused, broke off or did not answer in time, by worker.\n# TYPE kvserver_upstream_errors_total counter");
         for w in &workers {
             let _ = writeln!(
                 out,

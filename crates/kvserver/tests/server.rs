@@ -324,6 +324,9 @@ fn a_slow_worker_is_a_gateway_timeout() {
     assert_eq!(status, 504, "{body}");
     assert!(body.contains("--upstream-timeout-s"), "{body}");
     assert!(started.elapsed() < Duration::from_secs(10));
+    let workers = server.get_json("/v1/admin/workers");
+    assert_eq!(workers["workers"][0]["in_flight"], 0, "{workers}");
+    assert_eq!(server.metric("kvserver_upstream_errors_total"), 1.0);
     let (status, body) = server.post("/v1/completions", &completion(&[1, 2, 3], true));
     assert_eq!(status, 200, "{body}");
 }

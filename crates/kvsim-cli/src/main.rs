@@ -132,11 +132,18 @@ fn run(args: &RunArgs) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// Writes `text` to stdout; a reader that went away (`kvsim ... | head`) is not an error.
+/// Writes `text` to stdout; a reader that went away (`kvsim ... | head`) is not an error, any
+/// other failure to write ends the command with one line and exit code 1.
 pub(crate) fn emit(text: &str) {
     use std::io::Write;
     let mut out = std::io::stdout().lock();
-    let _ = out.write_all(text.as_bytes()).and_then(|()| out.flush());
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            eprintln!("kvsim: cannot write the output: {e}");
+            std::process::exit(1);
+        }
+        _ => {}
+    }
 }
 
 fn trace_stats(file: &std::path::Path, block_size: usize, format: &str) -> ExitCode {
@@ -176,9 +183,12 @@ fn calibrate(file: &std::path::Path, format: &str) -> ExitCode {
         Err(e) => return usage_error(format!("--steps {e}")),
     };
     if format == "json" {
-        println!("{}", serde_json::to_string_pretty(&fit).unwrap_or_default());
+        let json = serde_json::to_string_pretty(&fit).unwrap_or_default();
+        emit(&format!("{json}\n"));
         return ExitCode::SUCCESS;
     }
+    use std::fmt::Write as _;
+    let mut out = String::new();
     let c = [
         ("--timing-base-us", fit.base_us, "us per step"),
         (
@@ -197,32 +207,36 @@ fn calibrate(file: &std::path::Path, format: &str) -> ExitCode {
             "us per context token",
         ),
     ];
-    println!(
+    let _ = writeln!(
+        out,
         "  Calibration: {} steps from {}, least squares on relative error",
         fit.steps,
         file.display()
     );
     for (flag, v, unit) in c {
-        println!("  {:<20} {:>14}  {unit}", flag, significant(v, 6));
+        let _ = writeln!(out, "  {:<20} {:>14}  {unit}", flag, significant(v, 6));
     }
     if !fit.fixed_at_zero.is_empty() {
-        println!(
+        let _ = writeln!(
+            out,
             "  fixed at 0 (their column is 0 in every step): {}",
             fit.fixed_at_zero.join(", ")
         );
     }
-    println!(
+    let _ = writeln!(
+        out,
         "  Mean absolute percentage error {:.2}% (worst step {:.2}%)",
         fit.mape * 100.0,
         fit.max_ape * 100.0
     );
     if c.iter().any(|x| x.1 < 0.0) {
-        println!("  WARNING: a negative coefficient: --timing-* accepts only >= 0; the linear model does not describe these steps well");
+        let _ = writeln!(out, "  WARNING: a negative coefficient: --timing-* accepts only >= 0; the linear model does not describe these steps well");
     }
     let flags: Vec<String> = c
         .iter()
         .map(|(f, v, _)| format!("{f} {}", significant(*v, 6)))
         .collect();
-    println!("  Flags: {}", flags.join(" "));
+    let _ = writeln!(out, "  Flags: {}", flags.join(" "));
+    emit(&out);
     ExitCode::SUCCESS
 }

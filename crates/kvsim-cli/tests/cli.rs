@@ -82,6 +82,18 @@ fn routing_model_options_off_are_byte_identical() {
     ] {
         assert_eq!(with(off), plain, "{off:?}");
     }
+    // Sync changes what two routers do, and nothing with one.
+    let two = with(&["--des-routers", "2"]);
+    assert_ne!(
+        with(&[
+            "--des-routers",
+            "2",
+            "--des-router-sync",
+            "--des-sync-delay-ms",
+            "5"
+        ]),
+        two
+    );
     for on in [
         &["--cost-model", "prefill-aware", "--des-overlap-weight", "4"][..],
         &["--router-temperature", "2"][..],

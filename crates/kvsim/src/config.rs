@@ -434,7 +434,12 @@ impl SimConfig {
         }
         let mut t = kvroute::BusyThreshold::new();
         if let (Some(f), Some(cap)) = (self.busy_decode_fraction, self.kv_blocks) {
-            t = t.decode_fraction(f, cap);
+            // A router worker is a rank, or a whole engine of `dp_ranks` ranks.
+            let ranks = match self.dp_routing {
+                DpRouting::Engine => self.dp_ranks,
+                _ => 1,
+            };
+            t = t.decode_fraction(f, cap.saturating_mul(ranks));
         }
         if let Some(tokens) = self.busy_prefill_tokens {
             t = t.prefill_tokens(tokens);
@@ -584,7 +589,16 @@ impl SimConfig {
         at_least_one("instances", self.instances)?;
         at_least_one("dp_ranks", self.dp_ranks)?;
         at_most("dp_ranks", self.dp_ranks, 64)?;
-        at_most("dp_ranks", self.engine_count(), MAX_ENGINES)?;
+        if self.engine_count() > MAX_ENGINES {
+            return Err(Error::invalid(
+                "dp_ranks",
+                self.dp_ranks,
+                format!(
+                    "instances x dp_ranks at most {MAX_ENGINES} (got {})",
+                    self.engine_count()
+                ),
+            ));
+        }
         if self.dp_ranks > 1 && self.disaggregated() {
             return Err(Error::invalid(
                 "dp_ranks",

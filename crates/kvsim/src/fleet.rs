@@ -11,9 +11,15 @@ use crate::engine::{Engine, EngineConfig, Pool};
 use crate::error::Error;
 use crate::timing::TimingModel;
 
+/// How long a synced replica remembers another's finished request: a simulated day, far beyond
+/// any request's life.
+const SYNC_TTL: std::time::Duration = std::time::Duration::from_secs(86_400);
+
 /// Router replicas of one pool; engine events go to all of them.
 pub(crate) struct Routers {
     pub(crate) replicas: Vec<Router>,
+    /// With router sync: when finished remote requests were last forgotten.
+    last_expiry: std::time::Duration,
     next: usize,
     role: Role,
 }
@@ -42,10 +48,9 @@ impl Routers {
                     b = b.busy_threshold(t);
                 }
                 if cfg.router_sync && cfg.routers > 1 {
-                    // Simulated requests never lose their Finished delta: no time limit.
-                    b = b
-                        .replica(r as u64)
-                        .remote_load_ttl(std::time::Duration::MAX);
+                    // Simulated requests never lose their Finished delta, so the time to live
+                    // only bounds how long finished ones are remembered: a simulated day.
+                    b = b.replica(r as u64).remote_load_ttl(SYNC_TTL);
                 }
                 let mut router = b
                     .tier_credits(kvroute::TierCredits::new(cfg.host_hit_credit, 0.0))
@@ -61,6 +66,7 @@ impl Routers {
             .collect::<Result<Vec<_>, Error>>()?;
         Ok(Routers {
             replicas,
+            last_expiry: std::time::Duration::ZERO,
             next: 0,
             role,
         })
@@ -87,14 +93,24 @@ impl Routers {
         self.replicas[replica].drain_load_deltas()
     }
 
-    /// Applies replica `from`'s load deltas to every other replica, at simulated time `now_us`.
+    /// Applies replica `from`'s load deltas to every other replica, at simulated time `now_us`
+    /// (their clocks first, so that predictions lapse on time); now and then forgets finished
+    /// remote requests older than [`SYNC_TTL`].
     pub(crate) fn apply_deltas(&mut self, from: usize, deltas: &[LoadDelta], now_us: u64) {
         let now = std::time::Duration::from_micros(now_us);
+        let expire = now.saturating_sub(self.last_expiry) >= SYNC_TTL;
+        if expire {
+            self.last_expiry = now;
+        }
         for (r, router) in self.replicas.iter_mut().enumerate() {
             if r != from {
+                router.set_clock(now);
                 for d in deltas {
                     router.apply_load_delta(d, now);
                 }
+            }
+            if expire {
+                router.expire_remote_load(now);
             }
         }
     }

@@ -304,6 +304,9 @@ pub struct Report {
     /// What the routers saw of the ranks: `rank` or `engine` (with `dp_ranks`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dp_routing: Option<String>,
+    /// With router sync (and several routers): the delay of a load delta between them (ms).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub router_sync_delay_ms: Option<f64>,
 }
 
 impl Report {
@@ -459,6 +462,8 @@ impl Report {
             tiers,
             dp_ranks: (cfg.dp_ranks > 1).then_some(cfg.dp_ranks),
             dp_routing: (cfg.dp_ranks > 1).then(|| cfg.dp_routing.to_string()),
+            router_sync_delay_ms: (cfg.router_sync && cfg.routers > 1)
+                .then(|| cfg.sync_delay_us as f64 / 1000.0),
         }
     }
 
@@ -488,10 +493,10 @@ impl Report {
             ),
             _ => String::new(),
         };
-        let routers = if self.routers > 1 {
-            format!(", {} routers", self.routers)
-        } else {
-            String::new()
+        let routers = match (self.routers > 1, self.router_sync_delay_ms) {
+            (true, Some(d)) => format!(", {} routers synced after {d} ms", self.routers),
+            (true, None) => format!(", {} routers", self.routers),
+            _ => String::new(),
         };
         let _ = writeln!(
             s,

@@ -254,6 +254,11 @@ fn dp_ranks_routed_by_rank_are_engines_of_their_own() {
     let by_engine = run(c);
     assert_eq!(by_engine.completed, 300);
     assert_eq!(by_engine.per_instance.len(), 4);
+    // An engine hands its requests to its ranks in turn.
+    for ranks in by_engine.per_instance.chunks(2) {
+        let (a, b) = (ranks[0].requests as i64, ranks[1].requests as i64);
+        assert!((a - b).abs() <= 1, "{a} against {b}");
+    }
     let mut bad = cfg();
     bad.dp_ranks = 2;
     bad.prefill_instances = Some(1);
