@@ -17,6 +17,7 @@ type Map<K, V> = hashbrown::HashMap<K, V, FixedState>;
 /// assert_eq!(Tier::from_medium(Some("CPU")), Tier::Host);
 /// assert_eq!(Tier::from_medium(None), Tier::Device);
 /// assert_eq!(Tier::from_medium(Some("STORAGE")), Tier::Disk);
+/// assert_eq!(Tier::from_medium(Some("gpu")), Tier::Device);
 /// assert_eq!(Tier::Disk.to_string(), "disk");
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
@@ -35,9 +36,12 @@ impl Tier {
     /// The tier of an engine's `medium` field: `GPU` (or none) is the device, `CPU` the host,
     /// `STORAGE` (vLLM) or `DISK` the disk; any other medium counts as the host (case ignored).
     pub fn from_medium(medium: Option<&str>) -> Tier {
-        match medium.map(str::to_ascii_uppercase).as_deref() {
-            None | Some("GPU") | Some("CUDA") => Tier::Device,
-            Some("STORAGE") | Some("DISK") => Tier::Disk,
+        // Called for every ingested event: compared in place, without an uppercase copy.
+        let is = |m: &str, names: &[&str]| names.iter().any(|n| m.eq_ignore_ascii_case(n));
+        match medium {
+            None => Tier::Device,
+            Some(m) if is(m, &["GPU", "CUDA"]) => Tier::Device,
+            Some(m) if is(m, &["STORAGE", "DISK"]) => Tier::Disk,
             Some(_) => Tier::Host,
         }
     }

@@ -1388,6 +1388,20 @@ mod tests {
         assert_ne!(plan[0].spec.blocks[6], plan[6].spec.blocks[6]);
     }
 
+    /// The proptests' workload shapes: KV allocation reserved or incremental; open loop, a
+    /// fixed concurrency, chat sessions, or both (`mode` 0 to 3).
+    fn with_loop_mode(cfg: &mut SimConfig, incremental: bool, mode: u8, seed: u64) {
+        cfg.kv_allocation = if incremental {
+            KvAllocation::Incremental
+        } else {
+            KvAllocation::Reserve
+        };
+        cfg.concurrency = (mode % 2 == 1).then_some(3);
+        cfg.sessions = (mode >= 2).then_some(15);
+        cfg.turns = if mode >= 2 { 4 } else { 1 };
+        cfg.think_us = if mode >= 2 { seed % 3 * 5_000 } else { 0 };
+    }
+
     /// The records of a run, skipping quiet steps or not; and whether skipping gave up.
     fn records(cfg: &SimConfig, timing: LinearTiming, fast: bool) -> (Records, bool) {
         let timing: Arc<dyn TimingModel> = Arc::new(timing);
@@ -1413,7 +1427,7 @@ mod tests {
                           input in 1usize..600, output in 1usize..60, seqs in 1usize..6,
                           (seed, incremental, mode, shared) in (0u64..1000, any::<bool>(), 0u8..4, any::<bool>()),
                           rm in routing_model()) {
-            let cfg = SimConfig {
+            let mut cfg = SimConfig {
                 instances,
                 prefill_instances: pd.map(|p| p.0),
                 decode_instances: pd.map(|p| p.1),
@@ -1434,14 +1448,9 @@ mod tests {
                 num_requests: 80,
                 request_rate: rate,
                 seed,
-                kv_allocation: if incremental { KvAllocation::Incremental } else { KvAllocation::Reserve },
-                // Open loop, a fixed concurrency, chat sessions, both.
-                concurrency: (mode % 2 == 1).then_some(3),
-                sessions: (mode >= 2).then_some(15),
-                turns: if mode >= 2 { 4 } else { 1 },
-                think_us: if mode >= 2 { seed % 3 * 5_000 } else { 0 },
                 ..rm.apply(kv)
             };
+            with_loop_mode(&mut cfg, incremental, mode, seed);
             cfg.validate().unwrap();
             let t = LinearTiming::new(timing.0, timing.1, timing.2, timing.3);
             let (slow, _) = records(&cfg, t, false);
@@ -1467,7 +1476,7 @@ mod tests {
                           (seed, incremental, mode) in (0u64..1000, any::<bool>(), 0u8..4),
                           rm in routing_model(), host in prop::option::of(0usize..40),
                           (dp, by_engine) in (1usize..3, any::<bool>())) {
-            let cfg = SimConfig {
+            let mut cfg = SimConfig {
                 instances,
                 // Data-parallel ranks (unified pools only), workers of their own or one per engine.
                 dp_ranks: if pd.is_none() { dp } else { 1 },
@@ -1488,16 +1497,11 @@ mod tests {
                 num_requests: 60,
                 request_rate: 40.0,
                 seed,
-                kv_allocation: if incremental { KvAllocation::Incremental } else { KvAllocation::Reserve },
-                // Open loop, a fixed concurrency, chat sessions, both.
-                concurrency: (mode % 2 == 1).then_some(3),
-                sessions: (mode >= 2).then_some(15),
-                turns: if mode >= 2 { 4 } else { 1 },
-                think_us: if mode >= 2 { seed % 3 * 5_000 } else { 0 },
                 host_kv_blocks: host,
                 host_load_gbps: 10.0,
                 ..rm.apply(kv)
             };
+            with_loop_mode(&mut cfg, incremental, mode, seed);
             cfg.validate().unwrap();
             let (c, routers, leftovers) = finished_run(&cfg);
             // Every request was sent (a closed loop never stalls) ...
