@@ -51,6 +51,17 @@ pub enum LoadChange {
         worker: WorkerId,
         /// Its prompt's block hashes.
         blocks: Vec<BlockHash>,
+        /// The blocks it has to prefill (its uncached ones), counted as the worker's pending
+        /// prefill until [`LoadChange::PrefillDone`]; `None` (as from a replica of an earlier
+        /// version): counted as decoding at once.
+        #[cfg_attr(feature = "serde", serde(default))]
+        pending: Option<usize>,
+    },
+    /// The replica saw `request`'s first token: its blocks move from pending prefill to decode
+    /// (see [`Router::prefill_done`](crate::Router::prefill_done)).
+    PrefillDone {
+        /// The request.
+        request: RequestId,
     },
     /// The replica finished `request`.
     Finished {

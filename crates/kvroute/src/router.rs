@@ -321,6 +321,7 @@ impl RouterBuilder {
             groups: Groups::default(),
             remote: Map::default(),
             tombstones: Map::default(),
+            prefilled: Map::default(),
             outbox: Vec::new(),
             next_delta: 0,
             group_cap: None,
@@ -411,6 +412,9 @@ pub struct Router {
     remote: Map<(u64, RequestId), Remote>,
     /// Other replicas' requests seen finished, until the time given: their `Routed` never counts.
     tombstones: Map<(u64, RequestId), Duration>,
+    /// Other replicas' requests whose first token was reported before their route arrived,
+    /// until the time given.
+    prefilled: Map<(u64, RequestId), Duration>,
     /// This replica's deltas not yet drained.
     outbox: Vec<LoadDelta>,
     next_delta: u64,
@@ -437,6 +441,8 @@ struct Remote {
     slot: usize,
     generation: u64,
     blocks: Vec<BlockHash>,
+    /// Blocks still counted as its worker's pending prefill.
+    prefill: Option<usize>,
     expires: Duration,
 }
 
@@ -900,6 +906,7 @@ impl Router {
                 request: request_id,
                 worker,
                 blocks: blocks.to_vec(),
+                pending: Some(uncached),
             });
         }
         Ok(Decision {
@@ -1164,6 +1171,9 @@ impl Router {
                 self.decode[req.slot] = load.decode.len();
             }
         }
+        self.share(LoadChange::PrefillDone {
+            request: request_id,
+        });
         Ok(())
     }
 
@@ -1280,6 +1290,7 @@ impl Router {
                 request,
                 worker,
                 blocks,
+                pending,
             } => {
                 let key = (delta.replica, *request);
                 if self.remote.contains_key(&key) || self.tombstones.contains_key(&key) {
@@ -1291,9 +1302,15 @@ impl Router {
                 let Some(load) = self.slots[i].as_mut() else {
                     return false;
                 };
+                // Its first token may have been reported before its route arrived.
+                let prefill = pending.filter(|_| self.prefilled.remove(&key).is_none());
                 add_refs(&mut load.blocks, blocks);
-                add_refs(&mut load.decode, blocks);
+                match prefill {
+                    Some(p) => load.pending += p,
+                    None => add_refs(&mut load.decode, blocks),
+                }
                 self.active[i] = load.blocks.len();
+                self.pending[i] = load.pending;
                 self.decode[i] = load.decode.len();
                 let predicted = self.config.predicted_ttl;
                 if !predicted.is_zero() {
@@ -1314,15 +1331,39 @@ impl Router {
                         slot: i,
                         generation,
                         blocks: blocks.clone(),
+                        prefill,
                         expires: now.saturating_add(ttl),
                     },
                 );
                 true
             }
+            LoadChange::PrefillDone { request } => {
+                let key = (delta.replica, *request);
+                let Some(r) = self.remote.get_mut(&key) else {
+                    if !self.tombstones.contains_key(&key) {
+                        self.prefilled.insert(key, now.saturating_add(ttl));
+                    }
+                    return false;
+                };
+                let Some(p) = r.prefill.take() else {
+                    return false;
+                };
+                match self.slots.get_mut(r.slot).and_then(Option::as_mut) {
+                    Some(load) if load.generation == r.generation => {
+                        load.pending -= p;
+                        add_refs(&mut load.decode, &r.blocks);
+                        self.pending[r.slot] = load.pending;
+                        self.decode[r.slot] = load.decode.len();
+                        true
+                    }
+                    _ => false,
+                }
+            }
             LoadChange::Finished { request } => {
                 let key = (delta.replica, *request);
                 // Remembered, so that a late or repeated `Routed` never counts it again.
                 self.tombstones.insert(key, now.saturating_add(ttl));
+                self.prefilled.remove(&key);
                 match self.remote.remove(&key) {
                     Some(r) => self.release_remote(&r),
                     None => false,
@@ -1335,8 +1376,12 @@ impl Router {
         match self.slots.get_mut(r.slot).and_then(Option::as_mut) {
             Some(load) if load.generation == r.generation => {
                 release_refs(&mut load.blocks, &r.blocks);
-                release_refs(&mut load.decode, &r.blocks);
+                match r.prefill {
+                    Some(p) => load.pending -= p,
+                    None => release_refs(&mut load.decode, &r.blocks),
+                }
                 self.active[r.slot] = load.blocks.len();
+                self.pending[r.slot] = load.pending;
                 self.decode[r.slot] = load.decode.len();
                 true
             }
@@ -1362,6 +1407,7 @@ impl Router {
             }
         }
         self.tombstones.retain(|_, t| *t > now);
+        self.prefilled.retain(|_, t| *t > now);
         gone.len()
     }
 

@@ -1,6 +1,7 @@
-//! Replicas sharing in-flight load: random routes and finishes on two replicas, their deltas
-//! delivered late, out of order and twice; once everything is delivered, both replicas' load
-//! views equal the naive count over every in-flight request. And remote load expires.
+//! Replicas sharing in-flight load: random routes, first tokens and finishes on two replicas,
+//! their deltas delivered late, out of order and twice; once everything is delivered, both
+//! replicas' load views (active, pending prefill and decode blocks) equal the naive count over
+//! every in-flight request. And remote load expires.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -29,6 +30,11 @@ enum Op {
         r: usize,
         k: usize,
     },
+    /// The first token of one of replica r's requests.
+    PrefillDone {
+        r: usize,
+        k: usize,
+    },
     /// Deliver every pending delta to replica `r`, permuted by `perm`, each twice if `dup`.
     Deliver {
         r: usize,
@@ -41,6 +47,7 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (0..2usize, proptest::collection::vec(1..8u64, 0..5)).prop_map(|(r, blocks)| Op::Route { r, blocks }),
         3 => (0..2usize, any::<usize>()).prop_map(|(r, k)| Op::Finish { r, k }),
+        2 => (0..2usize, any::<usize>()).prop_map(|(r, k)| Op::PrefillDone { r, k }),
         2 => (0..2usize, any::<u64>(), any::<bool>()).prop_map(|(r, perm, dup)| Op::Deliver { r, perm, dup }),
     ]
 }
@@ -70,8 +77,10 @@ proptest! {
         let mut routers = [replica(1), replica(2)];
         // pending[r]: deltas on their way to replica r.
         let mut pending: [Vec<LoadDelta>; 2] = [Vec::new(), Vec::new()];
-        // In flight: (replica, request) -> (worker, blocks).
-        let mut flight: BTreeMap<(usize, u64), (WorkerId, Vec<BlockHash>)> = BTreeMap::new();
+        // In flight: (replica, request) -> (worker, blocks, blocks to prefill until its first
+        // token).
+        let mut flight: BTreeMap<(usize, u64), (WorkerId, Vec<BlockHash>, Option<usize>)> =
+            BTreeMap::new();
         let mut next = 0u64;
         for op in ops {
             match op {
@@ -79,7 +88,8 @@ proptest! {
                     let blocks: Vec<BlockHash> = blocks.into_iter().map(BlockHash::new).collect();
                     next += 1;
                     let d = routers[r].route(RequestId::new(next), &blocks, Role::Unified).unwrap();
-                    flight.insert((r, next), (d.worker, blocks));
+                    let uncached = d.request_blocks - d.cache_hits;
+                    flight.insert((r, next), (d.worker, blocks, Some(uncached)));
                 }
                 Op::Finish { r, k } => {
                     let mine: Vec<u64> = flight.keys().filter(|(x, _)| *x == r).map(|&(_, id)| id).collect();
@@ -87,6 +97,14 @@ proptest! {
                         let id = mine[k % mine.len()];
                         routers[r].finish(RequestId::new(id)).unwrap();
                         flight.remove(&(r, id));
+                    }
+                }
+                Op::PrefillDone { r, k } => {
+                    let mine: Vec<u64> = flight.keys().filter(|(x, _)| *x == r).map(|&(_, id)| id).collect();
+                    if !mine.is_empty() {
+                        let id = mine[k % mine.len()];
+                        routers[r].prefill_done(RequestId::new(id)).unwrap();
+                        flight.get_mut(&(r, id)).unwrap().2 = None;
                     }
                 }
                 Op::Deliver { r, perm, dup } => {
@@ -111,13 +129,17 @@ proptest! {
         }
         for w in 0..WORKERS {
             let w = WorkerId::new(w);
-            let union: BTreeSet<BlockHash> = flight
-                .values()
-                .filter(|(x, _)| *x == w)
-                .flat_map(|(_, b)| b.iter().copied())
+            let on_w = || flight.values().filter(|(x, _, _)| *x == w);
+            let union: BTreeSet<BlockHash> = on_w().flat_map(|(_, b, _)| b.iter().copied()).collect();
+            let pending: usize = on_w().filter_map(|(_, _, p)| *p).sum();
+            let decode: BTreeSet<BlockHash> = on_w()
+                .filter(|(_, _, p)| p.is_none())
+                .flat_map(|(_, b, _)| b.iter().copied())
                 .collect();
             for r in &routers {
                 prop_assert_eq!(r.active_blocks(w), union.len(), "worker {:?}", w);
+                prop_assert_eq!(r.pending_prefill_blocks(w), pending, "worker {:?}", w);
+                prop_assert_eq!(r.decode_blocks(w), decode.len(), "worker {:?}", w);
             }
         }
     }
