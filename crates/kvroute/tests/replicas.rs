@@ -12,6 +12,9 @@ use proptest::prelude::*;
 
 const WORKERS: u64 = 3;
 
+/// A request in flight: its worker, its blocks, and its blocks to prefill until its first token.
+type InFlight = (WorkerId, Vec<BlockHash>, Option<usize>);
+
 fn replica(id: u64) -> Router {
     let mut r = Router::builder().replica(id).seed(id).build().unwrap();
     for w in 0..WORKERS {
@@ -79,8 +82,7 @@ proptest! {
         let mut pending: [Vec<LoadDelta>; 2] = [Vec::new(), Vec::new()];
         // In flight: (replica, request) -> (worker, blocks, blocks to prefill until its first
         // token).
-        let mut flight: BTreeMap<(usize, u64), (WorkerId, Vec<BlockHash>, Option<usize>)> =
-            BTreeMap::new();
+        let mut flight: BTreeMap<(usize, u64), InFlight> = BTreeMap::new();
         let mut next = 0u64;
         for op in ops {
             match op {
