@@ -14,6 +14,7 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use kvroute::openai::{self, Endpoint, Input, Request};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -267,64 +268,42 @@ struct Prepared {
     chat: bool,
 }
 
-fn parse_body(body: &Bytes) -> Result<serde_json::Map<String, Value>, ApiError> {
-    match serde_json::from_slice::<Value>(body) {
-        Ok(Value::Object(m)) => Ok(m),
-        Ok(_) => Err(bad("the request body must be a JSON object")),
-        Err(e) => Err(bad(format!("malformed JSON: {e}"))),
-    }
+fn parse_body(endpoint: Endpoint, body: &Bytes) -> Result<Request, ApiError> {
+    openai::parse(endpoint, body).map_err(|e| bad(e.to_string()))
 }
 
-fn common(st: &AppState, req: &serde_json::Map<String, Value>) -> Result<(), ApiError> {
-    match req.get("model") {
-        None | Some(Value::Null) => Ok(()),
-        Some(Value::String(m)) if *m == st.cfg.model => Ok(()),
+fn common(st: &AppState, req: &Request) -> Result<(), ApiError> {
+    match &req.model {
+        None => Ok(()),
+        Some(m) if *m == st.cfg.model => Ok(()),
         Some(m) => Err(error(
             StatusCode::NOT_FOUND,
             "NotFoundError",
-            format!("The model `{}` does not exist.", m.as_str().unwrap_or("?")),
+            format!("The model `{m}` does not exist."),
         )),
-    }
-}
-
-fn max_tokens(req: &serde_json::Map<String, Value>, keys: &[&str]) -> Result<usize, ApiError> {
-    for k in keys {
-        match req.get(*k) {
-            None | Some(Value::Null) => continue,
-            Some(v) => {
-                return match v.as_u64() {
-                    Some(n) if n >= 1 => Ok(usize::try_from(n).unwrap_or(usize::MAX)),
-                    _ => Err(bad(format!("{k} must be at least 1, got {v}"))),
-                };
-            }
-        }
-    }
-    Ok(16)
-}
-
-fn flag(req: &serde_json::Map<String, Value>, key: &str) -> Result<bool, ApiError> {
-    match req.get(key) {
-        None | Some(Value::Null) => Ok(false),
-        Some(Value::Bool(b)) => Ok(*b),
-        Some(v) => Err(bad(format!("{key} must be a boolean, got {v}"))),
     }
 }
 
 fn finish_prepare(
     st: &AppState,
-    req: &serde_json::Map<String, Value>,
+    req: &Request,
     tokens: Vec<u32>,
-    max_tokens: usize,
     chat: bool,
 ) -> Result<Prepared, ApiError> {
-    let _ = flag(req, "ignore_eos")?; // accepted: outputs always run to max_tokens
-    let stream = flag(req, "stream")?;
-    let include_usage = stream
-        && req
-            .get("stream_options")
-            .and_then(|o| o.get("include_usage"))
-            .and_then(Value::as_bool)
-            .unwrap_or(false);
+    // `ignore_eos` is accepted: outputs always run to max_tokens.
+    let max_tokens = match req.max_tokens {
+        None => 16,
+        Some(0) => {
+            let key = if chat {
+                "max_completion_tokens"
+            } else {
+                "max_tokens"
+            };
+            return Err(bad(format!("{key} must be at least 1, got 0")));
+        }
+        Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
+    };
+    let include_usage = req.stream && req.include_usage;
     if tokens.is_empty() {
         return Err(bad("the prompt is empty"));
     }
@@ -356,28 +335,29 @@ fn finish_prepare(
     Ok(Prepared {
         tokens,
         max_tokens,
-        stream,
+        stream: req.stream,
         include_usage,
         chat,
     })
 }
 
 fn prepare_completion(st: &AppState, body: &Bytes) -> Result<Prepared, ApiError> {
-    let req = parse_body(body)?;
+    let req = parse_body(Endpoint::Completions, body)?;
     common(st, &req)?;
     let tokens =
-        tokenize::prompt_tokens(&req, |text| st.cfg.codec.encode(text, true)).map_err(bad)?;
-    let n = max_tokens(&req, &["max_tokens"])?;
-    finish_prepare(st, &req, tokens, n, false)
+        tokenize::prompt_tokens(&req.input, |text| st.cfg.codec.encode(text, true)).map_err(bad)?;
+    finish_prepare(st, &req, tokens, false)
 }
 
 fn prepare_chat(st: &AppState, body: &Bytes) -> Result<Prepared, ApiError> {
-    let req = parse_body(body)?;
+    let req = parse_body(Endpoint::Chat, body)?;
     common(st, &req)?;
-    let text = tokenize::chat_text(&st.cfg.template, &req).map_err(bad)?;
+    let Input::Messages(msgs) = &req.input else {
+        return Err(bad("a chat request needs `messages`"));
+    };
+    let text = tokenize::chat_text(&st.cfg.template, msgs).map_err(bad)?;
     let tokens = st.cfg.codec.encode(&text, false).map_err(bad)?;
-    let n = max_tokens(&req, &["max_completion_tokens", "max_tokens"])?;
-    finish_prepare(st, &req, tokens, n, true)
+    finish_prepare(st, &req, tokens, true)
 }
 
 async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
