@@ -18,6 +18,7 @@ use kvroute::openai::{self, Endpoint, Input, Request};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use crate::core::Lora;
 use crate::driver::{EngineHandle, Progress};
 use crate::tokenize::{self, ChatTemplate, Codec};
 
@@ -40,6 +41,56 @@ pub struct ApiConfig {
     pub template: ChatTemplate,
     /// `engine` label of the metrics (the data-parallel rank).
     pub engine_label: String,
+    /// The LoRA adapters served besides the base model (`--lora-modules`): requests name one as
+    /// their `model`, and `/v1/models` lists each with the base model as its `parent`, as vLLM
+    /// does.
+    pub lora_modules: Vec<LoraModule>,
+}
+
+/// A LoRA adapter of `--lora-modules`: its name and where it would be loaded from (kvmock
+/// loads nothing; the path is only listed as the model's `root`).
+///
+/// ```
+/// use kvmock::server::LoraModule;
+/// let m: LoraModule = "sql-lora=/adapters/sql".parse()?;
+/// assert_eq!((m.name.as_str(), m.path.as_str()), ("sql-lora", "/adapters/sql"));
+/// let j: LoraModule = r#"{"name": "sql-lora", "path": "/adapters/sql"}"#.parse()?;
+/// assert_eq!(j, m);
+/// assert!("=/adapters/sql".parse::<LoraModule>().is_err());
+/// # Ok::<(), String>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoraModule {
+    /// The adapter's name.
+    pub name: String,
+    /// Its path.
+    pub path: String,
+}
+
+impl std::str::FromStr for LoraModule {
+    type Err = String;
+
+    /// vLLM's forms: `NAME=PATH`, or JSON `{"name": NAME, "path": PATH, ...}`; a bare `NAME`
+    /// is accepted too.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (name, path) = if s.trim_start().starts_with('{') {
+            let v: Value = serde_json::from_str(s)
+                .map_err(|e| format!("invalid JSON LoRA module {s}: {e}"))?;
+            let field = |k: &str| v.get(k).and_then(Value::as_str).unwrap_or("").to_string();
+            (field("name"), field("path"))
+        } else {
+            match s.split_once('=') {
+                Some((n, p)) => (n.to_string(), p.to_string()),
+                None => (s.to_string(), String::new()),
+            }
+        };
+        if name.is_empty() {
+            return Err(format!(
+                "LoRA module {s:?} has no name: expected NAME=PATH or {{\"name\": ..., \"path\": ...}}"
+            ));
+        }
+        Ok(LoraModule { name, path })
+    }
 }
 
 struct AppState {
@@ -117,10 +168,17 @@ fn json_body(v: &Value) -> ([(header::HeaderName, &'static str); 1], String) {
 
 async fn models(State(st): State<Arc<AppState>>) -> Response {
     let m = &st.cfg.model;
-    let body = json!({"object": "list", "data": [{
+    let mut data = vec![json!({
         "id": m, "object": "model", "created": st.created, "owned_by": "vllm", "root": m,
         "parent": null, "max_model_len": st.cfg.max_model_len,
-    }]});
+    })];
+    for l in &st.cfg.lora_modules {
+        data.push(json!({
+            "id": l.name, "object": "model", "created": st.created, "owned_by": "vllm",
+            "root": l.path, "parent": m, "max_model_len": null,
+        }));
+    }
+    let body = json!({"object": "list", "data": data});
     json_body(&body).into_response()
 }
 
@@ -266,21 +324,30 @@ struct Prepared {
     stream: bool,
     include_usage: bool,
     chat: bool,
+    /// The adapter the request names.
+    lora: Option<Lora>,
 }
 
 fn parse_body(endpoint: Endpoint, body: &Bytes) -> Result<Request, ApiError> {
     openai::parse(endpoint, body).map_err(|e| bad(e.to_string()))
 }
 
-fn common(st: &AppState, req: &Request) -> Result<(), ApiError> {
+/// The adapter the request's `model` names (`None`: the base model), or 404.
+fn common(st: &AppState, req: &Request) -> Result<Option<Lora>, ApiError> {
     match &req.model {
-        None => Ok(()),
-        Some(m) if *m == st.cfg.model => Ok(()),
-        Some(m) => Err(error(
-            StatusCode::NOT_FOUND,
-            "NotFoundError",
-            format!("The model `{m}` does not exist."),
-        )),
+        None => Ok(None),
+        Some(m) if *m == st.cfg.model => Ok(None),
+        Some(m) => match st.cfg.lora_modules.iter().position(|l| l.name == *m) {
+            Some(i) => Ok(Some(Lora {
+                name: m.as_str().into(),
+                id: i as i64 + 1,
+            })),
+            None => Err(error(
+                StatusCode::NOT_FOUND,
+                "NotFoundError",
+                format!("The model `{m}` does not exist."),
+            )),
+        },
     }
 }
 
@@ -289,6 +356,7 @@ fn finish_prepare(
     req: &Request,
     tokens: Vec<u32>,
     chat: bool,
+    lora: Option<Lora>,
 ) -> Result<Prepared, ApiError> {
     // `ignore_eos` is accepted: outputs always run to max_tokens.
     let max_tokens = match req.max_tokens {
@@ -338,26 +406,27 @@ fn finish_prepare(
         stream: req.stream,
         include_usage,
         chat,
+        lora,
     })
 }
 
 fn prepare_completion(st: &AppState, body: &Bytes) -> Result<Prepared, ApiError> {
     let req = parse_body(Endpoint::Completions, body)?;
-    common(st, &req)?;
+    let lora = common(st, &req)?;
     let tokens =
         tokenize::prompt_tokens(&req.input, |text| st.cfg.codec.encode(text, true)).map_err(bad)?;
-    finish_prepare(st, &req, tokens, false)
+    finish_prepare(st, &req, tokens, false, lora)
 }
 
 fn prepare_chat(st: &AppState, body: &Bytes) -> Result<Prepared, ApiError> {
     let req = parse_body(Endpoint::Chat, body)?;
-    common(st, &req)?;
+    let lora = common(st, &req)?;
     let Input::Messages(msgs) = &req.input else {
         return Err(bad("a chat request needs `messages`"));
     };
     let text = tokenize::chat_text(&st.cfg.template, msgs).map_err(bad)?;
     let tokens = st.cfg.codec.encode(&text, false).map_err(bad)?;
-    finish_prepare(st, &req, tokens, true)
+    finish_prepare(st, &req, tokens, true, lora)
 }
 
 async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
@@ -434,7 +503,11 @@ async fn run(st: Arc<AppState>, p: Prepared, arrived: Instant) -> Response {
         created: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
-        model: st.cfg.model.clone(),
+        // vLLM answers with the model name asked for: the adapter's for a LoRA request.
+        model: p
+            .lora
+            .as_ref()
+            .map_or_else(|| st.cfg.model.clone(), |l| l.name.to_string()),
         chat: p.chat,
     };
     let prompt_hash = xxhash_rust::xxh3::xxh3_64(
@@ -444,7 +517,7 @@ async fn run(st: Arc<AppState>, p: Prepared, arrived: Instant) -> Response {
             .collect::<Vec<u8>>(),
     );
     let prompt_len = p.tokens.len();
-    let mut progress = st.engine.submit(n, arrived, p.tokens, p.max_tokens);
+    let mut progress = st.engine.submit(n, arrived, p.tokens, p.max_tokens, p.lora);
     let codec = st.cfg.codec.clone();
     let seed = st.cfg.seed;
     let bs = st.cfg.block_size;
