@@ -11,7 +11,7 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures_util::StreamExt;
-use http_body_util::{BodyExt, BodyStream, Full};
+use http_body_util::{BodyStream, Full};
 use kvmock::tokenize;
 use kvroute::openai::{self, Endpoint, Input, Request};
 use kvroute::{RequestId, Role};
@@ -237,19 +237,17 @@ async fn forward(
             Some(salt),
         ),
     };
+    // A LoRA adapter's blocks are keyed by its name (see `crate::lora`).
+    let salt = server.lora.salt(req.model.as_deref());
     for _ in 0..server.workers().len().max(1) {
         let id = server.next_request_id();
         let started = Instant::now();
         let decision = {
             let mut mirror = server.mirror();
             mirror.router.set_clock(server.started.elapsed());
-            mirror.router.route_tokens_keyed(
-                id,
-                tokens,
-                &kvroute::Salt::default(),
-                &keys,
-                Role::Unified,
-            )
+            mirror
+                .router
+                .route_tokens_keyed(id, tokens, &salt, &keys, Role::Unified)
         };
         server.observe_route(started.elapsed().as_micros() as u64);
         let d = match decision {
@@ -420,32 +418,20 @@ pub async fn revive(server: Arc<Server>) {
 
 async fn models(State(server): State<Arc<Server>>) -> Response {
     let mut seen = std::collections::BTreeMap::new();
+    let mut answers = Vec::new();
     for w in &server.workers() {
-        let Ok(req) =
-            hyper::Request::get(format!("{}/v1/models", w.spec.url)).body(Full::new(Bytes::new()))
-        else {
-            continue;
-        };
-        let Ok(Ok(resp)) = tokio::time::timeout(
-            std::time::Duration::from_secs(2),
-            server.client.request(req),
-        )
-        .await
-        else {
-            continue;
-        };
-        let Ok(body) = resp.into_body().collect().await else {
-            continue;
-        };
-        let Ok(v) = serde_json::from_slice::<Value>(&body.to_bytes()) else {
-            continue;
-        };
+        if let Some(v) = crate::lora::worker_models(&server, w).await {
+            answers.push(v);
+        }
+    }
+    for v in &answers {
         for m in v["data"].as_array().into_iter().flatten() {
             if let Some(id) = m["id"].as_str() {
                 seen.entry(id.to_string()).or_insert_with(|| m.clone());
             }
         }
     }
+    server.lora.learn(&answers);
     let data: Vec<Value> = seen.into_values().collect();
     axum::Json(json!({"object": "list", "data": data})).into_response()
 }
@@ -492,7 +478,7 @@ async fn workers(State(server): State<Arc<Server>>) -> Response {
             })
         })
         .collect();
-    axum::Json(json!({"workers": list})).into_response()
+    axum::Json(json!({"workers": list, "lora_adapters": server.lora.names()})).into_response()
 }
 
 mod log {
