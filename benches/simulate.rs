@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvkit::kvblock::BlockSize;
-use kvkit::kvsim::{SimConfig, Simulation, Trace};
+use kvkit::kvsim::{CostModel, SimConfig, Simulation, Trace};
 
 fn config(
     requests: usize,
@@ -61,9 +61,22 @@ fn simulate(c: &mut Criterion) {
             let mut cfg = SimConfig::default().with_trace(trace);
             cfg.instances = 8;
             cfg.kv_blocks = Some(900);
+            // Routers that follow first tokens, and a closed loop.
+            let mut prefill_aware = cfg.clone();
+            prefill_aware.cost_model = CostModel::PrefillAware;
+            let mut closed = cfg.clone();
+            closed.concurrency = Some(32);
             runs.push((
                 "conversation trace (12,031 req, 8 inst, 900 blocks/inst)",
                 cfg,
+            ));
+            runs.push((
+                "conversation trace, prefill-aware cost (8 inst, 900 blocks/inst)",
+                prefill_aware,
+            ));
+            runs.push((
+                "conversation trace, closed loop at concurrency 32 (8 inst, 900 blocks/inst)",
+                closed,
             ));
         }
         Err(e) => eprintln!("skipping the trace run: {e}"),

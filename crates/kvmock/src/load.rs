@@ -49,8 +49,9 @@ impl std::str::FromStr for Api {
 /// How to send.
 #[derive(Debug, Clone)]
 pub struct LoadConfig {
-    /// `http://HOST:PORT`.
-    pub endpoint: String,
+    /// `http://HOST:PORT`, one or more: request `i` goes to `endpoints[i % len]` (router
+    /// replicas behind no load balancer). Empty is an error of [`run`]'s requests.
+    pub endpoints: Vec<String>,
     /// The model to name in requests.
     pub model: String,
     /// Which API.
@@ -178,7 +179,13 @@ struct One {
     error: Option<String>,
 }
 
-async fn send_one(client: &HttpClient, cfg: &LoadConfig, body: Bytes, start: Instant) -> One {
+async fn send_one(
+    client: &HttpClient,
+    cfg: &LoadConfig,
+    endpoint: &str,
+    body: Bytes,
+    start: Instant,
+) -> One {
     let us = |t: Instant| t.duration_since(start).as_micros() as u64;
     let sent = Instant::now();
     let mut one = One {
@@ -195,7 +202,7 @@ async fn send_one(client: &HttpClient, cfg: &LoadConfig, body: Bytes, start: Ins
         Api::Chat => "/v1/chat/completions",
     };
     let work = async {
-        let req = hyper::Request::post(format!("{}{path}", cfg.endpoint))
+        let req = hyper::Request::post(format!("{endpoint}{path}"))
             .header("content-type", "application/json")
             .body(Full::new(body))
             .map_err(|e| e.to_string())?;
@@ -332,15 +339,17 @@ pub async fn run(
             Bytes::from(body.to_string())
         })
         .collect();
-    warm_up(
-        &client,
-        &cfg.endpoint,
-        cfg.max_concurrency.unwrap_or(32).min(64),
-    )
-    .await;
+    for endpoint in &cfg.endpoints {
+        warm_up(&client, endpoint, cfg.max_concurrency.unwrap_or(32).min(64)).await;
+    }
     let start = Instant::now();
     let mut tasks = Vec::with_capacity(requests.len());
-    for (r, body) in requests.iter().zip(bodies) {
+    for (i, (r, body)) in requests.iter().zip(bodies).enumerate() {
+        let endpoint = cfg
+            .endpoints
+            .get(i % cfg.endpoints.len().max(1))
+            .cloned()
+            .unwrap_or_default();
         let at = start + Duration::from_secs_f64(r.arrival_us as f64 / 1e6 / cfg.speedup);
         tokio::time::sleep_until(at.into()).await;
         let permit = match &sem {
@@ -354,7 +363,7 @@ pub async fn run(
             Arc::clone(&progress),
         );
         tasks.push(tokio::spawn(async move {
-            let one = send_one(&client, &cfg, body, start).await;
+            let one = send_one(&client, &cfg, &endpoint, body, start).await;
             drop(permit);
             let n = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
             progress(n);

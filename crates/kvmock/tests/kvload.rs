@@ -114,6 +114,49 @@ fn kvload_measures_a_synthetic_pool_on_kvmock() {
 }
 
 #[test]
+fn kvload_spreads_requests_round_robin_over_endpoints() {
+    let (a, b) = (
+        Mock::start(free_port(), &["--speedup", "20"]),
+        Mock::start(free_port(), &["--speedup", "20"]),
+    );
+    let (ea, eb) = (
+        format!("http://127.0.0.1:{}", a.port),
+        format!("http://127.0.0.1:{}", b.port),
+    );
+    let both = format!("{ea},{eb}");
+    let args = [
+        "--endpoint",
+        &both,
+        "--des-num-requests",
+        "9",
+        "--request-rate",
+        "100",
+        "--input-len",
+        "40",
+        "--des-prefix-len",
+        "32",
+        "--output-len",
+        "2",
+        "--format",
+        "json",
+        "--quiet",
+    ];
+    let v = json_of(&kvload(&args, Duration::from_secs(60)));
+    assert_eq!(v["completed"], 9);
+    assert_eq!(v["endpoint"], both.as_str());
+    let served = |port: u16| {
+        let (_, text) = kvtest::net::http(port, "GET", "/metrics", None);
+        text.lines()
+            .find(|l| l.starts_with("vllm:request_success_total"))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    // Requests 0, 2, 4, 6, 8 to the first; 1, 3, 5, 7 to the second.
+    assert_eq!((served(a.port), served(b.port)), (5.0, 4.0));
+}
+
+#[test]
 fn kvload_replays_a_mooncake_trace() {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../../shared/data/mooncake_conversation_trace.jsonl");

@@ -10,6 +10,7 @@ use clap::Parser;
 /// engines' ZMQ KV events) and forwarded to the winner, the response streamed back.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "kvserver", version, about, long_about, after_help = EXAMPLES)]
+#[command(args_conflicts_with_subcommands = true)]
 pub struct Config {
     /// Address to listen on.
     #[arg(long, default_value = "0.0.0.0", value_name = "HOST")]
@@ -50,9 +51,32 @@ pub struct Config {
     /// (repeat for each worker).
     #[arg(long = "worker", value_name = "URL[,events=EP][,replay=EP]")]
     pub workers: Vec<WorkerSpec>,
-    /// How KV events arrive: zmq (vLLM's and SGLang's publisher).
+    /// How KV events arrive: zmq (a SUB to each worker's publisher, vLLM's and SGLang's), or
+    /// nats (a JetStream stream that `kvserver relay` sidecars fill, one subject per worker:
+    /// durable, so a restarted replica catches up; see --nats-url).
     #[arg(long, default_value = "zmq", value_name = "TRANSPORT")]
     pub kv_event_transport: EventTransport,
+    /// The NATS server (with JetStream) of --kv-event-transport nats, --router-replica-sync
+    /// and `kvserver relay`.
+    #[arg(long, default_value = "nats://127.0.0.1:4222", value_name = "URL")]
+    pub nats_url: String,
+    /// Share in-flight load with the other replicas over NATS (subject kvkit.load.*): each
+    /// replica publishes its routes and finishes and counts the others' for up to
+    /// --remote-load-ttl-s.
+    #[arg(long)]
+    pub router_replica_sync: bool,
+    /// This replica's id among those that sync [default: one made from the process and the
+    /// time]; give each replica its own.
+    #[arg(long, value_name = "N")]
+    pub replica_id: Option<u64>,
+    /// How long another replica's request counts as load when its finish never arrives.
+    #[arg(long, default_value_t = 600.0, value_name = "SECONDS", value_parser = parse_timeout)]
+    pub remote_load_ttl_s: f64,
+    /// --kv-event-transport nats: store a snapshot of the mirror (with each worker's stream
+    /// position) in the JetStream object store kvkit-snapshots after this many batches, and
+    /// start from the newest one (0: never).
+    #[arg(long, default_value_t = 10_000, value_name = "BATCHES")]
+    pub snapshot_every: u64,
     /// How requests are forwarded: http.
     #[arg(long, default_value = "http", value_name = "TRANSPORT")]
     pub request_transport: RequestTransport,
@@ -90,6 +114,45 @@ pub struct Config {
     /// Adapters the workers list in /v1/models (with a parent) are learned as well, every 2 s.
     #[arg(long, num_args = 1.., value_delimiter = ',', value_name = "NAME[=PATH]")]
     pub lora_modules: Vec<String>,
+    /// A sidecar instead of the server (`kvserver relay --help`).
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+/// `kvserver`'s subcommands.
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum Command {
+    /// Relay one engine's ZMQ KV events into the JetStream stream that replicas started with
+    /// --kv-event-transport nats read: each batch once, in order, gaps filled from the engine's
+    /// replay socket. Run one next to each engine.
+    Relay(RelayArgs),
+}
+
+/// `kvserver relay`.
+#[derive(Debug, Clone, clap::Args)]
+#[command(after_help = RELAY_EXAMPLES)]
+pub struct RelayArgs {
+    /// The engine, as the servers name it: its HTTP URL, its KV-event PUB endpoint and
+    /// (to fill gaps) its replay endpoint.
+    #[arg(long, value_name = "URL,events=EP[,replay=EP]", value_parser = parse_relayed)]
+    pub worker: WorkerSpec,
+    /// The NATS server, with JetStream.
+    #[arg(long, default_value = "nats://127.0.0.1:4222", value_name = "URL")]
+    pub nats_url: String,
+}
+
+const RELAY_EXAMPLES: &str = "Example:
+  nats-server -js -sd /tmp/nats &
+  kvserver relay --worker http://127.0.0.1:30000,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558";
+
+fn parse_relayed(s: &str) -> Result<WorkerSpec, String> {
+    let spec: WorkerSpec = s.parse()?;
+    if spec.events.is_none() {
+        return Err(format!(
+            "worker {s:?}: a relay needs the engine's events=tcp://HOST:PORT"
+        ));
+    }
+    Ok(spec)
 }
 
 const EXAMPLES: &str = "Examples:
@@ -245,6 +308,8 @@ impl FromStr for Discovery {
 pub enum EventTransport {
     /// ZMQ SUB to each worker's publisher.
     Zmq,
+    /// A JetStream stream filled by relays.
+    Nats,
 }
 
 impl FromStr for EventTransport {
@@ -252,7 +317,10 @@ impl FromStr for EventTransport {
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "zmq" => Ok(EventTransport::Zmq),
-            _ => Err(format!("unknown KV-event transport {s:?}: expected zmq")),
+            "nats" => Ok(EventTransport::Nats),
+            _ => Err(format!(
+                "unknown KV-event transport {s:?}: expected zmq or nats"
+            )),
         }
     }
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use kvmock::etcd::{Etcd, WorkerRecord, PREFIX};
 
-use crate::config::WorkerSpec;
+use crate::config::{EventTransport, WorkerSpec};
 use crate::events;
 use crate::state::{Server, Worker};
 
@@ -15,7 +15,11 @@ const POLL: Duration = Duration::from_millis(500);
 
 /// Starts `worker`'s KV-event subscription, stopped when the worker is removed.
 pub fn follow_events(server: &Arc<Server>, worker: &Arc<Worker>) {
-    let task = tokio::spawn(events::follow(Arc::clone(server), Arc::clone(worker)));
+    let (s, w) = (Arc::clone(server), Arc::clone(worker));
+    let task = match server.cfg.kv_event_transport {
+        EventTransport::Zmq => tokio::spawn(events::follow(s, w)),
+        EventTransport::Nats => tokio::spawn(crate::nats::follow(s, w)),
+    };
     if let Ok(mut t) = worker.task.lock() {
         *t = Some(task.abort_handle());
     }

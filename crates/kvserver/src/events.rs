@@ -37,54 +37,88 @@ pub async fn follow(server: Arc<Server>, worker: Arc<Worker>) {
 
 /// Applies one multipart message, first replaying what a sequence gap says was missed.
 pub async fn on_message(server: &Server, worker: &Worker, frames: &[Bytes]) {
-    if let [_, seq, _] = frames {
-        if let Ok(seq) = parse_seq_frame(seq) {
+    let [_, seq, payload] = frames else {
+        // Counted and logged as the adapter rejects it.
+        let r = {
             let mut m = server.mirror();
-            if seq != 0 && seq < m.ingest.next_seq(worker.id) {
-                // A live publisher never sends a number twice: it restarted, and its batch 0
-                // was missed (a subscription still reconnecting). Start its mirror afresh.
-                let m = &mut *m;
-                m.router.clear_worker(worker.id);
-                m.ingest.forget_worker(worker.id);
-                server.counters.restarts.fetch_add(1, Ordering::Relaxed);
-            }
+            let m = &mut *m;
+            m.ingest.apply_multipart(&mut m.router, worker.id, frames)
+        };
+        count(server, worker, &r);
+        return;
+    };
+    let seq = match parse_seq_frame(seq) {
+        Ok(seq) => seq,
+        Err(e) => {
+            count(server, worker, &Err(e));
+            return;
         }
-    }
-    if let (Some(replay), [_, seq, _]) = (&worker.spec.replay, frames) {
-        if let Ok(seq) = parse_seq_frame(seq) {
-            let expected = server.mirror().ingest.next_seq(worker.id);
-            if seq > expected {
-                server.counters.replays.fetch_add(1, Ordering::Relaxed);
-                match fetch_replay(replay, expected).await {
-                    Ok(batches) => {
-                        for (s, payload) in batches.into_iter().filter(|(s, _)| *s < seq) {
-                            let mut m = server.mirror();
-                            let m = &mut *m;
-                            let r =
-                                m.ingest
-                                    .apply_payload(&mut m.router, worker.id, Some(s), &payload);
-                            if count(server, worker, &r) {
-                                server
-                                    .counters
-                                    .replayed_batches
-                                    .fetch_add(1, Ordering::Relaxed);
-                            }
+    };
+    if let Some(replay) = &worker.spec.replay {
+        // After a restart, the new run's missed batches are replayed from its batch 0.
+        restart_if_repeated(server, worker, seq);
+        let expected = server.mirror().ingest.next_seq(worker.id);
+        if seq > expected {
+            server.counters.replays.fetch_add(1, Ordering::Relaxed);
+            match fetch_replay(replay, expected).await {
+                Ok(batches) => {
+                    for (s, payload) in batches.into_iter().filter(|(s, _)| *s < seq) {
+                        if apply_batch(server, worker, s, &payload, None) {
+                            server
+                                .counters
+                                .replayed_batches
+                                .fetch_add(1, Ordering::Relaxed);
                         }
                     }
-                    Err(e) => eprintln!(
-                        "kvserver: replay from {} of worker {} failed: {e}",
-                        replay, worker.spec.name
-                    ),
                 }
+                Err(e) => eprintln!(
+                    "kvserver: replay from {} of worker {} failed: {e}",
+                    replay, worker.spec.name
+                ),
             }
         }
     }
+    apply_batch(server, worker, seq, payload, None);
+}
+
+/// Applies one batch of `worker` with its publisher's sequence number, and records `position`
+/// (the transport's, kept in snapshots) in the same step; true when applied. A number below the
+/// expected one other than 0 means the publisher restarted and its batch 0 was missed: the
+/// mirror starts afresh.
+pub fn apply_batch(
+    server: &Server,
+    worker: &Worker,
+    seq: u64,
+    payload: &[u8],
+    position: Option<u64>,
+) -> bool {
+    restart_if_repeated(server, worker, seq);
     let r = {
         let mut m = server.mirror();
         let m = &mut *m;
-        m.ingest.apply_multipart(&mut m.router, worker.id, frames)
+        let r = m
+            .ingest
+            .apply_payload(&mut m.router, worker.id, Some(seq), payload);
+        if position.is_some() {
+            // Consumed even when rejected: the stream moves past a batch that cannot apply.
+            m.ingest.set_position(worker.id, position);
+        }
+        r
     };
-    count(server, worker, &r);
+    count(server, worker, &r)
+}
+
+/// A sequence number below the expected one, other than 0: a live publisher never sends a
+/// number twice, so it restarted and its batch 0 was missed (a subscription still
+/// reconnecting). The worker's mirror starts afresh.
+fn restart_if_repeated(server: &Server, worker: &Worker, seq: u64) {
+    let mut m = server.mirror();
+    let m = &mut *m;
+    if seq != 0 && seq < m.ingest.next_seq(worker.id) {
+        m.router.clear_worker(worker.id);
+        m.ingest.forget_worker(worker.id);
+        server.counters.restarts.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 /// Counts an applied or rejected batch; true when applied.

@@ -34,7 +34,9 @@ pub mod config;
 pub mod discovery;
 pub mod events;
 pub mod lora;
+pub mod nats;
 pub mod proxy;
+pub mod relay;
 pub mod state;
 
 use std::sync::Arc;
@@ -91,7 +93,33 @@ pub async fn serve(
         config::Discovery::Static => None,
         config::Discovery::Etcd => Some(cfg.etcd_endpoint.clone()),
     };
+    let on_nats = cfg.kv_event_transport == config::EventTransport::Nats;
+    let sync = cfg.router_replica_sync;
+    let snapshot_every = cfg.snapshot_every;
+    let nats_url = cfg.nats_url.clone();
     let server = Arc::new(Server::new(cfg)?);
+    if on_nats || sync {
+        let bad = |message| ServerError::Setting {
+            flag: "--nats-url",
+            message,
+        };
+        let nats = nats::connect(&nats_url, std::time::Duration::from_secs(30))
+            .await
+            .map_err(bad)?;
+        if on_nats {
+            // The newest snapshot, then each worker's stream from the position it records.
+            if let Some((ids, mirror)) = nats::load_snapshot(&nats).await.map_err(bad)? {
+                server.restore(ids, mirror).map_err(bad)?;
+            }
+        }
+        let _ = server.nats.set(nats);
+        if sync {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            let _ = server.deltas.set(tx);
+            tokio::spawn(nats::publish_deltas(Arc::clone(&server), rx));
+            tokio::spawn(nats::apply_deltas(Arc::clone(&server)));
+        }
+    }
     for spec in statics {
         let w = server
             .add_worker(spec)
@@ -100,6 +128,25 @@ pub async fn serve(
                 message,
             })?;
         discovery::follow_events(&server, &w);
+    }
+    if let (true, Some(nats)) = (on_nats, server.nats.get()) {
+        let took = nats::catch_up(&server, nats)
+            .await
+            .map_err(|message| ServerError::Setting {
+                flag: "--nats-url",
+                message,
+            })?;
+        server.counters.catch_up_ms.store(
+            took.as_millis() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        eprintln!(
+            "kvserver: caught up with the KV-event stream in {} ms",
+            took.as_millis()
+        );
+        if snapshot_every > 0 {
+            tokio::spawn(nats::snapshot_loop(Arc::clone(&server), snapshot_every));
+        }
     }
     if let Some(endpoint) = etcd {
         tokio::spawn(discovery::watch_etcd(Arc::clone(&server), endpoint));

@@ -14,6 +14,13 @@ fn main() {
     let shutdown = async {
         let _ = tokio::signal::ctrl_c().await;
     };
+    if let Some(kvserver::config::Command::Relay(args)) = cfg.command {
+        if let Err(e) = rt.block_on(kvserver::relay::run(args, shutdown)) {
+            eprintln!("kvserver relay: {e}");
+            std::process::exit(2);
+        }
+        return;
+    }
     eprintln!(
         "kvserver: listening on {}:{} with {} worker(s)",
         cfg.host,

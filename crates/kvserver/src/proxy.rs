@@ -212,7 +212,9 @@ struct Finish {
 impl Drop for Finish {
     fn drop(&mut self) {
         // Finishing twice cannot happen: the guard runs once.
-        let _ = self.server.mirror().router.finish(self.id);
+        let mut m = self.server.mirror();
+        let _ = m.router.finish(self.id);
+        self.server.flush_deltas(&mut m.router);
     }
 }
 
@@ -245,9 +247,11 @@ async fn forward(
         let decision = {
             let mut mirror = server.mirror();
             mirror.router.set_clock(server.started.elapsed());
-            mirror
+            let d = mirror
                 .router
-                .route_tokens_keyed(id, tokens, &salt, &keys, Role::Unified)
+                .route_tokens_keyed(id, tokens, &salt, &keys, Role::Unified);
+            server.flush_deltas(&mut mirror.router);
+            d
         };
         server.observe_route(started.elapsed().as_micros() as u64);
         let d = match decision {
@@ -361,7 +365,9 @@ fn stream_back(
                 if prefilling {
                     // The first chunk carries the first token: the request now decodes.
                     prefilling = false;
-                    let _ = guard.server.mirror().router.prefill_done(guard.id);
+                    let mut m = guard.server.mirror();
+                    let _ = m.router.prefill_done(guard.id);
+                    guard.server.flush_deltas(&mut m.router);
                 }
                 f.into_data().ok().map(Ok)
             }
@@ -471,6 +477,7 @@ async fn workers(State(server): State<Arc<Server>>) -> Response {
                 "state": if w.down.load(Ordering::Relaxed) { "down" } else { "up" },
                 "block_count": m.router.cache_view(w.id),
                 "in_flight": m.router.in_flight(w.id),
+                "position": m.ingest.position(w.id),
                 "active_blocks": m.router.active_blocks(w.id),
                 "stale": m.router.index().is_stale(w.id),
                 "routed": w.routed.load(Ordering::Relaxed),

@@ -1,9 +1,10 @@
 //! The server's shared state: the router and its vLLM adapter behind one lock, the workers,
 //! the tokenizer and the counters `/metrics` shows.
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
 
 use bytes::Bytes;
 use http_body_util::Full;
@@ -13,7 +14,8 @@ use hyper_util::rt::TokioExecutor;
 use kvblock::BlockSize;
 use kvmock::tokenize::{self, ChatTemplate, Codec};
 use kvroute::vllm::VllmIngest;
-use kvroute::{Router, WorkerId};
+use kvroute::{LoadDelta, Router, WorkerId};
+use tokio::sync::mpsc::UnboundedSender;
 
 use crate::config::{Config, WorkerSpec};
 use crate::ServerError;
@@ -43,6 +45,8 @@ pub struct Worker {
     pub routed: AtomicU64,
     /// Requests it failed (refused, or broke off mid-stream).
     pub upstream_errors: AtomicU64,
+    /// Its NATS follower has read its events to the end of the stream once.
+    pub caught_up: AtomicBool,
     /// Its KV-event subscription, stopped when the worker is removed.
     pub(crate) task: Mutex<Option<tokio::task::AbortHandle>>,
 }
@@ -70,6 +74,16 @@ pub struct Counters {
     pub route_latency: [AtomicU64; LATENCY_BUCKETS_US.len() + 1],
     /// Sum of route decision latencies, microseconds.
     pub route_latency_sum_us: AtomicU64,
+    /// Other replicas' load deltas applied.
+    pub deltas_applied: AtomicU64,
+    /// Other replicas' load-delta messages that did not parse.
+    pub deltas_rejected: AtomicU64,
+    /// Snapshots stored.
+    pub snapshots: AtomicU64,
+    /// How long the start took to catch up with the event stream, milliseconds.
+    pub catch_up_ms: AtomicU64,
+    /// 1 when the start restored a snapshot.
+    pub restored: AtomicU64,
 }
 
 /// Upper bounds of the route-latency histogram's buckets, microseconds.
@@ -94,6 +108,14 @@ pub struct Server {
     pub(crate) tracks_prefill: bool,
     /// The LoRA adapters requests may name (`--lora-modules`, the workers' `/v1/models`).
     pub lora: crate::lora::Adapters,
+    /// This replica's id among those that share load (`--router-replica-sync`).
+    pub replica: u64,
+    /// Where this replica's load deltas go to be published (`--router-replica-sync`).
+    pub(crate) deltas: OnceLock<UnboundedSender<Vec<LoadDelta>>>,
+    /// The NATS connection, when a NATS part is on.
+    pub(crate) nats: OnceLock<crate::nats::Nats>,
+    /// Router ids of workers a restored snapshot names, so that they keep their mirrors.
+    known: Mutex<BTreeMap<String, WorkerId>>,
 }
 
 impl std::fmt::Debug for Server {
@@ -150,6 +172,12 @@ impl Server {
             })?;
             b = b.busy_threshold(t);
         }
+        let replica = cfg.replica_id.unwrap_or_else(default_replica_id);
+        if cfg.router_replica_sync {
+            b = b
+                .replica(replica)
+                .remote_load_ttl(std::time::Duration::from_secs_f64(cfg.remote_load_ttl_s));
+        }
         let router = b
             .cost_model(cfg.cost_model.0)
             .temperature(cfg.router_temperature)
@@ -186,7 +214,51 @@ impl Server {
             counters: Counters::default(),
             next_request: AtomicU64::new(1),
             client,
+            replica,
+            deltas: OnceLock::new(),
+            nats: OnceLock::new(),
+            known: Mutex::new(BTreeMap::new()),
         })
+    }
+
+    /// Sends the router's load deltas to the other replicas (a no-op without
+    /// `--router-replica-sync`). Call after each route, finish and first token.
+    pub fn flush_deltas(&self, router: &mut Router) {
+        if let Some(tx) = self.deltas.get() {
+            let d = router.drain_load_deltas();
+            if !d.is_empty() {
+                let _ = tx.send(d);
+            }
+        }
+    }
+
+    /// Restores a snapshot's mirror, before any worker is added: its workers keep their ids
+    /// (and so their mirrors) when they are added, and are not routed to until then.
+    pub fn restore(
+        &self,
+        ids: BTreeMap<String, WorkerId>,
+        mirror: kvroute::vllm::MirrorSnapshot,
+    ) -> Result<(), String> {
+        let mut m = self.mirror();
+        let m = &mut *m;
+        let ingest = VllmIngest::restore(&mut m.router, mirror).map_err(|e| e.to_string())?;
+        m.ingest = ingest;
+        for w in m.router.workers() {
+            m.router.set_routable(w, false);
+        }
+        let next = ids.values().map(|w| w.get() + 1).max().unwrap_or(0);
+        self.next_worker.fetch_max(next, Ordering::Relaxed);
+        *self.known.lock().unwrap_or_else(|e| e.into_inner()) = ids;
+        self.counters.restored.store(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Router ids by worker name, for snapshots.
+    pub fn worker_ids(&self) -> BTreeMap<String, WorkerId> {
+        self.workers()
+            .iter()
+            .map(|w| (w.spec.name.clone(), w.id))
+            .collect()
     }
 
     /// The router and its adapter, locked. Hold it for one operation, never across an await.
@@ -222,14 +294,26 @@ impl Server {
         if list.iter().any(|w| w.spec.name == spec.name) {
             return Err(format!("worker {} is given twice", spec.name));
         }
-        let id = WorkerId::new(self.next_worker.fetch_add(1, Ordering::Relaxed));
-        self.mirror().router.add_worker(id);
+        let restored = self
+            .known
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&spec.name)
+            .copied();
+        let id = restored
+            .unwrap_or_else(|| WorkerId::new(self.next_worker.fetch_add(1, Ordering::Relaxed)));
+        {
+            let mut m = self.mirror();
+            m.router.add_worker(id);
+            m.router.set_routable(id, true);
+        }
         let w = Arc::new(Worker {
             id,
             spec,
             down: AtomicBool::new(false),
             routed: AtomicU64::new(0),
             upstream_errors: AtomicU64::new(0),
+            caught_up: AtomicBool::new(false),
             task: Mutex::new(None),
         });
         list.push(Arc::clone(&w));
@@ -298,6 +382,9 @@ impl Server {
             ("kvserver_kv_restarts_total", "Publisher restarts seen after a missed batch 0 (the worker's mirror started afresh).", &c.restarts),
             ("kvserver_kv_replays_total", "Replay requests sent to workers.", &c.replays),
             ("kvserver_kv_replayed_batches_total", "Batches obtained by replay and applied.", &c.replayed_batches),
+            ("kvserver_load_deltas_applied_total", "Other replicas' load deltas applied (--router-replica-sync).", &c.deltas_applied),
+            ("kvserver_load_deltas_rejected_total", "Other replicas' load-delta messages that did not parse.", &c.deltas_rejected),
+            ("kvserver_snapshots_total", "Mirror snapshots stored (--kv-event-transport nats).", &c.snapshots),
         ] {
             counter(name, help, get(v));
         }
@@ -314,6 +401,16 @@ impl Server {
                 .count();
             (views, stale)
         };
+        let _ = writeln!(
+            out,
+            "# HELP kvserver_catch_up_seconds How long the start took to catch up with the KV-event stream.\n# TYPE kvserver_catch_up_seconds gauge\nkvserver_catch_up_seconds {}",
+            get(&c.catch_up_ms) as f64 / 1e3
+        );
+        let _ = writeln!(
+            out,
+            "# HELP kvserver_snapshot_restored 1 when the start restored a stored snapshot.\n# TYPE kvserver_snapshot_restored gauge\nkvserver_snapshot_restored {}",
+            get(&c.restored)
+        );
         let _ = writeln!(
             out,
             "# HELP kvserver_stale_workers Workers whose mirror may have missed events.\n# TYPE kvserver_stale_workers gauge\nkvserver_stale_workers {stale}"
@@ -358,4 +455,13 @@ impl Server {
         );
         out
     }
+}
+
+/// A replica id for `--router-replica-sync` without `--replica-id`: the process id and the
+/// start time, so that two processes differ.
+fn default_replica_id() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    nanos ^ (u64::from(std::process::id()) << 40)
 }

@@ -241,6 +241,11 @@ fn bad_flags_exit_2_naming_the_flag() {
         (&["--busy-threshold", "load=3"][..], "--busy-threshold"),
         (&["--router-temperature=-1"][..], "--router-temperature"),
         (&["--cost-model", "fast"][..], "--cost-model"),
+        (
+            &["--kv-event-transport", "kafka"][..],
+            "expected zmq or nats",
+        ),
+        (&["--remote-load-ttl-s", "0"][..], "--remote-load-ttl-s"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_kvserver"))
             .args(args)
@@ -250,6 +255,22 @@ fn bad_flags_exit_2_naming_the_flag() {
         assert_eq!(out.status.code(), Some(2), "{args:?}");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(flag), "{args:?}: {err}");
+    }
+    for (args, needle) in [
+        (&["relay"][..], "--worker"),
+        (
+            &["relay", "--worker", "http://127.0.0.1:1"][..],
+            "events=tcp://",
+        ),
+        (&["relay", "--worker", "127.0.0.1:1"][..], "http://"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvserver"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(needle), "{args:?}: {err}");
     }
 }
 

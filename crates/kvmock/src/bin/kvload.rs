@@ -20,9 +20,10 @@ use kvsim::{ArrivalModel, Popularity, SimConfig, Trace, TraceTiming};
 #[derive(Debug, Parser)]
 #[command(name = "kvload", version, about, long_about, after_help = EXAMPLES, allow_negative_numbers = true)]
 struct Cli {
-    /// The endpoint, http://HOST:PORT.
-    #[arg(long, value_name = "URL")]
-    endpoint: String,
+    /// The endpoint, http://HOST:PORT; repeat it (or separate with commas) to spread requests
+    /// round-robin over several (router replicas).
+    #[arg(long, value_name = "URL", required = true, value_delimiter = ',')]
+    endpoint: Vec<String>,
     /// The model to request [default: the first one /v1/models lists].
     #[arg(long, value_name = "NAME")]
     model: Option<String>,
@@ -118,7 +119,8 @@ struct Cli {
 const EXAMPLES: &str = "Examples:
   kvload --endpoint http://127.0.0.1:30000 --des-num-requests 500 --request-rate 8
   kvload --endpoint http://127.0.0.1:30000 --trace conversation.jsonl --trace-speedup 10
-  kvload --endpoint http://vllm-host:8000 --model meta-llama/Llama-3.1-8B-Instruct --api chat";
+  kvload --endpoint http://vllm-host:8000 --model meta-llama/Llama-3.1-8B-Instruct --api chat
+  kvload --endpoint http://127.0.0.1:8000,http://127.0.0.1:8001 --des-num-requests 500  # two router replicas";
 
 fn fail(flag: &str, message: impl std::fmt::Display) -> ! {
     eprintln!("kvload: invalid {flag}: {message}");
@@ -206,11 +208,8 @@ fn main() {
             std::process::exit(2);
         }
     };
-    if !cli.endpoint.starts_with("http://") {
-        fail(
-            "--endpoint",
-            format!("{:?}: expected http://HOST:PORT", cli.endpoint),
-        );
+    if let Some(bad) = cli.endpoint.iter().find(|e| !e.starts_with("http://")) {
+        fail("--endpoint", format!("{bad:?}: expected http://HOST:PORT"));
     }
     if !(cli.request_timeout.is_finite() && cli.request_timeout > 0.0) {
         fail("--request-timeout", "expected a number of seconds > 0");
@@ -237,14 +236,19 @@ fn main() {
             std::process::exit(1);
         }
     };
-    let endpoint = cli.endpoint.trim_end_matches('/').to_string();
+    let endpoints: Vec<String> = cli
+        .endpoint
+        .iter()
+        .map(|e| e.trim_end_matches('/').to_string())
+        .collect();
+    let endpoint = endpoints.join(",");
     let result = rt.block_on(async {
         let model = match &cli.model {
             Some(m) => m.clone(),
-            None => load::first_model(&endpoint).await?,
+            None => load::first_model(&endpoints[0]).await?,
         };
         let lc = LoadConfig {
-            endpoint: endpoint.clone(),
+            endpoints: endpoints.clone(),
             model: model.clone(),
             api: cli.api,
             max_concurrency: cli.max_concurrency,

@@ -132,6 +132,12 @@ pub enum VllmError {
         /// The next one expected.
         expected: u64,
     },
+    /// A [`MirrorSnapshot`](super::MirrorSnapshot) that cannot be restored.
+    #[error("bad mirror snapshot: {why}")]
+    BadSnapshot {
+        /// What is wrong with it.
+        why: String,
+    },
     /// The router refused the batch (for example an unregistered worker).
     #[error(transparent)]
     Router(#[from] crate::Error),

@@ -7,6 +7,7 @@ use hashbrown::hash_map::Entry;
 use kvblock::{BlockHash, BlockHasher, BlockSize, ExtraKeys};
 use kvcache::{FixedState, KvEvent, Tier, WorkerId};
 
+use super::snapshot::FeedSnapshot;
 use super::wire::SGLANG_CACHE_SALT_PREFIX;
 use super::{
     decode_event_batch, parse_seq_frame, BlockStored, EngineEvent, EngineHash, EventBatch,
@@ -117,7 +118,7 @@ enum Target {
 }
 
 #[derive(Debug, Clone, Default)]
-struct Feed {
+pub(super) struct Feed {
     /// (group, engine hash) -> our hash, for the blocks the worker holds.
     blocks: Map<(GroupKey, EngineHash), BlockHash>,
     /// How many engine blocks of a group map to each of our hashes (more than one when the
@@ -136,6 +137,8 @@ struct Feed {
     /// Skip one router event id at the next apply, so the index records a gap (stale view).
     skip_id: bool,
     totals: IngestStats,
+    /// The caller's stream position of the last batch applied (kept in snapshots).
+    pub(super) position: Option<u64>,
 }
 
 /// Applies vLLM event batches to a [`Router`], one feed per worker: engine-to-ours hash maps,
@@ -478,6 +481,18 @@ impl VllmIngest {
             .map_or_else(IngestStats::default, |f| f.totals)
     }
 
+    pub(super) fn feed(&self, worker: WorkerId) -> Option<&Feed> {
+        self.feeds.get(&worker)
+    }
+
+    pub(super) fn feed_mut(&mut self, worker: WorkerId) -> &mut Feed {
+        self.feeds.entry(worker).or_default()
+    }
+
+    pub(super) fn insert_feed(&mut self, worker: WorkerId, feed: Feed) {
+        self.feeds.insert(worker, feed);
+    }
+
     /// Workers with a feed, in id order.
     pub fn workers(&self) -> Vec<WorkerId> {
         let mut w: Vec<WorkerId> = self.feeds.keys().copied().collect();
@@ -487,6 +502,48 @@ impl VllmIngest {
 }
 
 impl Feed {
+    /// The part a snapshot keeps: the index's group only (see [`MirrorSnapshot`]).
+    pub(super) fn snapshot(&self, worker: WorkerId) -> FeedSnapshot {
+        let key = self.primary.unwrap_or(None);
+        let mut blocks: Vec<(EngineHash, BlockHash)> = self
+            .blocks
+            .iter()
+            .filter(|((g, _), _)| self.primary.is_some() && *g == key)
+            .map(|((_, h), &ours)| (h.clone(), ours))
+            .collect();
+        blocks.sort_unstable();
+        FeedSnapshot {
+            worker,
+            next_seq: self.next_seq,
+            position: self.position,
+            group_known: self.primary.is_some(),
+            group: key,
+            blocks,
+            skip_id: self.skip_id,
+        }
+    }
+
+    /// The feed of a snapshot; an engine hash listed twice is returned as the error.
+    pub(super) fn restore(s: FeedSnapshot) -> Result<Feed, EngineHash> {
+        let mut f = Feed {
+            next_seq: s.next_seq,
+            position: s.position,
+            primary: s.group_known.then_some(s.group),
+            skip_id: s.skip_id,
+            ..Feed::default()
+        };
+        if let Some(key) = f.primary {
+            f.groups.insert(key, Target::Primary);
+            for (h, ours) in s.blocks {
+                if f.blocks.insert((key, h.clone()), ours).is_some() {
+                    return Err(h);
+                }
+                *f.refs.entry((key, ours)).or_insert(0) += 1;
+            }
+        }
+        Ok(f)
+    }
+
     /// Where a `BlockStored`'s group goes, learned from its first event.
     fn target_of(&mut self, st: &BlockStored, bs: BlockSize, out: &mut IngestSummary) -> Target {
         let key = st.group_idx;

@@ -165,11 +165,13 @@
 mod decode;
 mod error;
 mod ingest;
+mod snapshot;
 mod wire;
 
 pub use decode::{decode_event_batch, parse_seq_frame};
 pub use error::VllmError;
 pub use ingest::{IngestStats, IngestSummary, VllmIngest};
+pub use snapshot::{FeedSnapshot, MirrorSnapshot, MIRROR_SNAPSHOT_VERSION};
 pub use wire::{
     BlockRemoved, BlockStored, EngineEvent, EngineHash, EventBatch, KeyValue,
     SGLANG_CACHE_SALT_PREFIX,

@@ -18,6 +18,7 @@ use super::VllmError;
 /// assert_eq!(EngineHash::from(&[0xab, 0x01][..]).to_string(), "0xab01");
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum EngineHash {
     /// An integer hash; a negative `i64` on the wire is kept as its two's-complement bits.
     Int(u64),

@@ -111,11 +111,19 @@ pub struct Kvserver {
 
 impl Kvserver {
     pub fn start(engines: &[&Engine], extra: &[&str]) -> Kvserver {
-        let port = free_port();
+        let workers: Vec<String> = engines.iter().map(|e| e.spec()).collect();
+        let k = Kvserver::start_at(free_port(), &workers, extra);
+        // Let the subscriptions reach the publishers (ZMQ's slow joiner).
+        std::thread::sleep(Duration::from_millis(500));
+        k
+    }
+
+    /// A server on `port` with these `--worker` values and flags, once it answers.
+    pub fn start_at(port: u16, workers: &[String], extra: &[&str]) -> Kvserver {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvserver"));
         cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()]);
-        for e in engines {
-            cmd.args(["--worker", &e.spec()]);
+        for w in workers {
+            cmd.args(["--worker", w]);
         }
         let mut child = cmd
             .args(extra)
@@ -124,8 +132,6 @@ impl Kvserver {
             .spawn()
             .expect("kvserver starts");
         wait_healthy(port, &mut child, "kvserver");
-        // Let the subscriptions reach the publishers (ZMQ's slow joiner).
-        std::thread::sleep(Duration::from_millis(500));
         Kvserver {
             _proc: Proc(child),
             port,

@@ -1,0 +1,373 @@
+//! NATS parts: KV events read from a JetStream stream that `kvserver relay` fills (one subject
+//! per worker, durable, so a restarted replica catches up), load deltas shared between
+//! replicas on plain NATS subjects, and snapshots of the mirror in a JetStream object store.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, consumer, object_store, stream};
+use futures_util::StreamExt;
+use kvroute::vllm::MirrorSnapshot;
+use kvroute::{LoadDelta, WorkerId};
+use serde_json::Value;
+use tokio::io::AsyncReadExt;
+
+use crate::events::apply_batch;
+use crate::state::{Server, Worker};
+
+/// The JetStream stream of every worker's KV-event batches.
+pub const STREAM: &str = "KVKIT_EVENTS";
+/// Subjects of [`STREAM`]: this, then the worker's name made subject-safe ([`subject_of`]).
+pub const EVENTS_PREFIX: &str = "kvkit.events.";
+/// Load deltas of replica N go on `kvkit.load.N`.
+pub const LOAD_PREFIX: &str = "kvkit.load.";
+/// The object store of mirror snapshots, and the object's name.
+pub const SNAPSHOT_BUCKET: &str = "kvkit-snapshots";
+const SNAPSHOT_OBJECT: &str = "mirror";
+/// The engine's batch sequence number, on every message of [`STREAM`].
+pub const SEQ_HEADER: &str = "Kvkit-Seq";
+/// How many times the relay saw the engine's publisher start over (so message ids differ).
+pub const EPOCH_HEADER: &str = "Kvkit-Epoch";
+
+/// A NATS connection and its JetStream context.
+#[derive(Clone)]
+pub(crate) struct Nats {
+    pub(crate) client: async_nats::Client,
+    pub(crate) js: jetstream::Context,
+}
+
+impl std::fmt::Debug for Nats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Nats")
+    }
+}
+
+/// The subject of `worker`'s events: `kvkit.events.` and its name with every character
+/// other than letters, digits, `-` and `_` made `_` (`127.0.0.1:30000` is
+/// `kvkit.events.127_0_0_1_30000`).
+///
+/// ```
+/// assert_eq!(kvserver::nats::subject_of("127.0.0.1:30000"), "kvkit.events.127_0_0_1_30000");
+/// ```
+pub fn subject_of(worker: &str) -> String {
+    let safe: String = worker
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!("{EVENTS_PREFIX}{safe}")
+}
+
+/// Connects (retrying until the server answers, at most `wait`).
+pub(crate) async fn connect(url: &str, wait: Duration) -> Result<Nats, String> {
+    let opts = async_nats::ConnectOptions::new()
+        .retry_on_initial_connect()
+        .connection_timeout(Duration::from_secs(2));
+    let client = tokio::time::timeout(wait, opts.connect(url))
+        .await
+        .map_err(|_| format!("{url}: no NATS server answered within {wait:?}"))?
+        .map_err(|e| format!("{url}: {e}"))?;
+    let js = jetstream::new(client.clone());
+    Ok(Nats { client, js })
+}
+
+/// The events stream, created when absent (file storage, so a NATS restart keeps it).
+pub(crate) async fn events_stream(js: &jetstream::Context) -> Result<stream::Stream, String> {
+    js.get_or_create_stream(stream::Config {
+        name: STREAM.to_string(),
+        subjects: vec![format!("{EVENTS_PREFIX}>")],
+        storage: stream::StorageType::File,
+        ..Default::default()
+    })
+    .await
+    .map_err(|e| format!("JetStream stream {STREAM}: {e} (is the server run with -js?)"))
+}
+
+/// A header's value as a number.
+pub(crate) fn header_u64(h: Option<&async_nats::HeaderMap>, name: &str) -> Option<u64> {
+    h?.get(name)?.as_str().parse().ok()
+}
+
+/// Follows `worker`'s subject of the events stream from after its recorded position (from its
+/// start without one) and applies each batch; reconnects after an error.
+pub(crate) async fn follow(server: Arc<Server>, worker: Arc<Worker>) {
+    let Some(nats) = server.nats.get().cloned() else {
+        return;
+    };
+    let subject = subject_of(&worker.spec.name);
+    loop {
+        if let Err(e) = follow_once(&server, &worker, &nats, &subject).await {
+            eprintln!(
+                "kvserver: JetStream events of worker {}: {e} (retrying)",
+                worker.spec.name
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+async fn follow_once(
+    server: &Server,
+    worker: &Worker,
+    nats: &Nats,
+    subject: &str,
+) -> Result<(), String> {
+    let stream = events_stream(&nats.js).await?;
+    let deliver_policy = match server.mirror().ingest.position(worker.id) {
+        Some(p) => consumer::DeliverPolicy::ByStartSequence {
+            start_sequence: p + 1,
+        },
+        None => consumer::DeliverPolicy::All,
+    };
+    let consumer = stream
+        .create_consumer(consumer::pull::OrderedConfig {
+            filter_subject: subject.to_string(),
+            deliver_policy,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut messages = consumer.messages().await.map_err(|e| e.to_string())?;
+    while let Some(msg) = messages.next().await {
+        let msg = msg.map_err(|e| e.to_string())?;
+        let (position, pending) = match msg.info() {
+            Ok(i) => (i.stream_sequence, i.pending),
+            Err(e) => return Err(format!("a message without its stream position: {e}")),
+        };
+        match header_u64(msg.headers.as_ref(), SEQ_HEADER) {
+            Some(seq) => {
+                apply_batch(server, worker, seq, &msg.payload, Some(position));
+            }
+            None => {
+                server
+                    .counters
+                    .batches_rejected
+                    .fetch_add(1, Ordering::Relaxed);
+                server
+                    .mirror()
+                    .ingest
+                    .set_position(worker.id, Some(position));
+                eprintln!(
+                    "kvserver: message {position} of {subject} has no {SEQ_HEADER} header: skipped"
+                );
+            }
+        }
+        if pending == 0 {
+            worker.caught_up.store(true, Ordering::Relaxed);
+        }
+    }
+    Err("the consumer ended".to_string())
+}
+
+/// The newest snapshot in the object store, if any: (worker ids by name, the mirror).
+pub(crate) async fn load_snapshot(
+    nats: &Nats,
+) -> Result<Option<(BTreeMap<String, WorkerId>, MirrorSnapshot)>, String> {
+    let Ok(store) = nats.js.get_object_store(SNAPSHOT_BUCKET).await else {
+        return Ok(None);
+    };
+    let Ok(mut object) = store.get(SNAPSHOT_OBJECT).await else {
+        return Ok(None);
+    };
+    let mut bytes = Vec::new();
+    object
+        .read_to_end(&mut bytes)
+        .await
+        .map_err(|e| format!("reading snapshot {SNAPSHOT_BUCKET}/{SNAPSHOT_OBJECT}: {e}"))?;
+    let s: Stored = serde_json::from_slice(&bytes)
+        .map_err(|e| format!("snapshot {SNAPSHOT_BUCKET}/{SNAPSHOT_OBJECT}: {e}"))?;
+    Ok(Some((s.workers, s.mirror)))
+}
+
+/// A snapshot as stored: the mirror and the names of the router ids it uses.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Stored {
+    workers: BTreeMap<String, WorkerId>,
+    mirror: MirrorSnapshot,
+}
+
+/// Stores a snapshot after every `every` batches applied (checked once a second).
+pub(crate) async fn snapshot_loop(server: Arc<Server>, every: u64) {
+    let Some(nats) = server.nats.get().cloned() else {
+        return;
+    };
+    let mut last = server.counters.batches_applied.load(Ordering::Relaxed);
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let now = server.counters.batches_applied.load(Ordering::Relaxed);
+        if now.saturating_sub(last) < every {
+            continue;
+        }
+        match save_snapshot(&server, &nats).await {
+            Ok(bytes) => {
+                last = now;
+                server.counters.snapshots.fetch_add(1, Ordering::Relaxed);
+                if std::env::var_os("KVSERVER_LOG").is_some_and(|v| v == "debug") {
+                    eprintln!("kvserver: snapshot stored ({bytes} bytes)");
+                }
+            }
+            Err(e) => eprintln!("kvserver: snapshot not stored: {e}"),
+        }
+    }
+}
+
+async fn save_snapshot(server: &Server, nats: &Nats) -> Result<usize, String> {
+    let stored = {
+        // One lock for both, so the ids are those the mirror uses.
+        let workers = server.worker_ids();
+        let m = server.mirror();
+        Stored {
+            workers,
+            mirror: m.ingest.snapshot(&m.router),
+        }
+    };
+    let bytes = serde_json::to_vec(&stored).map_err(|e| e.to_string())?;
+    let store = match nats.js.get_object_store(SNAPSHOT_BUCKET).await {
+        Ok(s) => s,
+        Err(_) => nats
+            .js
+            .create_object_store(object_store::Config {
+                bucket: SNAPSHOT_BUCKET.to_string(),
+                storage: stream::StorageType::File,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| format!("object store {SNAPSHOT_BUCKET}: {e}"))?,
+    };
+    store
+        .put(SNAPSHOT_OBJECT, &mut bytes.as_slice())
+        .await
+        .map_err(|e| format!("object store {SNAPSHOT_BUCKET}: {e}"))?;
+    Ok(bytes.len())
+}
+
+/// Publishes this replica's load deltas on `kvkit.load.<replica>`, one message per flush,
+/// naming workers by their names (router ids are each replica's own).
+pub(crate) async fn publish_deltas(
+    server: Arc<Server>,
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<Vec<LoadDelta>>,
+) {
+    let Some(nats) = server.nats.get().cloned() else {
+        return;
+    };
+    let subject = format!("{LOAD_PREFIX}{}", server.replica);
+    while let Some(deltas) = rx.recv().await {
+        let names: BTreeMap<WorkerId, String> = server
+            .worker_ids()
+            .into_iter()
+            .map(|(n, id)| (id, n))
+            .collect();
+        let wire: Vec<Value> = deltas
+            .iter()
+            .filter_map(|d| {
+                let mut v = serde_json::to_value(d).ok()?;
+                if let Some(w) = v.pointer_mut("/change/worker") {
+                    let id = WorkerId::new(w.as_u64()?);
+                    *w = Value::String(names.get(&id)?.clone());
+                }
+                Some(v)
+            })
+            .collect();
+        let Ok(bytes) = serde_json::to_vec(&wire) else {
+            continue;
+        };
+        if let Err(e) = nats.client.publish(subject.clone(), bytes.into()).await {
+            eprintln!("kvserver: load deltas not published: {e}");
+        }
+    }
+}
+
+/// Applies the other replicas' load deltas, and lets their load lapse when its finish never
+/// comes.
+pub(crate) async fn apply_deltas(server: Arc<Server>) {
+    let Some(nats) = server.nats.get().cloned() else {
+        return;
+    };
+    let mut sub = match nats.client.subscribe(format!("{LOAD_PREFIX}>")).await {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("kvserver: cannot subscribe to load deltas: {e}");
+            return;
+        }
+    };
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            msg = sub.next() => {
+                let Some(msg) = msg else { return };
+                if msg.subject.as_str() == format!("{LOAD_PREFIX}{}", server.replica) {
+                    continue;
+                }
+                apply_wire_deltas(&server, &msg.payload);
+            }
+            _ = tick.tick() => {
+                let now = server.started.elapsed();
+                server.mirror().router.expire_remote_load(now);
+            }
+        }
+    }
+}
+
+fn apply_wire_deltas(server: &Server, payload: &[u8]) {
+    let Ok(Value::Array(list)) = serde_json::from_slice::<Value>(payload) else {
+        server
+            .counters
+            .deltas_rejected
+            .fetch_add(1, Ordering::Relaxed);
+        return;
+    };
+    let ids = server.worker_ids();
+    let now = server.started.elapsed();
+    let mut m = server.mirror();
+    for mut v in list {
+        if let Some(w) = v.pointer_mut("/change/worker") {
+            // A worker this replica does not know: the delta cannot count here.
+            let Some(id) = w.as_str().and_then(|n| ids.get(n)) else {
+                continue;
+            };
+            *w = Value::from(id.get());
+        }
+        match serde_json::from_value::<LoadDelta>(v) {
+            Ok(d) => {
+                m.router.apply_load_delta(&d, now);
+                server
+                    .counters
+                    .deltas_applied
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            Err(_) => {
+                server
+                    .counters
+                    .deltas_rejected
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// Waits until every worker's follower has read its subject to the end as it was when it
+/// started (a worker with no events is caught up at once). Returns how long it took.
+pub(crate) async fn catch_up(server: &Server, nats: &Nats) -> Result<Duration, String> {
+    let started = Instant::now();
+    let stream = events_stream(&nats.js).await?;
+    for w in server.workers() {
+        let last = stream
+            .get_last_raw_message_by_subject(&subject_of(&w.spec.name))
+            .await
+            .ok()
+            .map(|m| m.sequence);
+        let done =
+            || w.caught_up.load(Ordering::Relaxed) || server.mirror().ingest.position(w.id) >= last;
+        while !done() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    Ok(started.elapsed())
+}

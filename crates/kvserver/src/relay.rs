@@ -1,0 +1,155 @@
+//! `kvserver relay`: one engine's ZMQ KV events into the JetStream stream, each batch once and
+//! in order.
+//!
+//! The relay subscribes to the engine's publisher. Before publishing a batch it publishes what
+//! a gap says it missed, fetched from the engine's replay socket. Each message carries the
+//! engine's sequence number ([`SEQ_HEADER`]) and is published with a message id made of the
+//! worker, the publisher's run ([`EPOCH_HEADER`]) and that number, and the relay waits for
+//! JetStream's acknowledgement before the next: a retry after a lost acknowledgement (or a
+//! relay restarted in between) is dropped by JetStream's de-duplication. A restarted relay
+//! reads the last message of its subject to learn where it was.
+
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use bytes::Bytes;
+use kvroute::vllm::parse_seq_frame;
+use zeromq::{Socket, SocketRecv};
+
+use crate::config::RelayArgs;
+use crate::events::fetch_replay;
+use crate::nats::{connect, events_stream, header_u64, subject_of, Nats, EPOCH_HEADER, SEQ_HEADER};
+
+/// Where the relay is in the engine's stream: the publisher's run and the last batch
+/// published.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Published {
+    epoch: u64,
+    seq: u64,
+}
+
+/// Runs the relay until `shutdown` resolves.
+pub async fn run(
+    args: RelayArgs,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), String> {
+    let nats = connect(&args.nats_url, Duration::from_secs(30)).await?;
+    let stream = events_stream(&nats.js).await?;
+    let subject = subject_of(&args.worker.name);
+    let mut at = match stream.get_last_raw_message_by_subject(&subject).await {
+        Ok(m) => Some(Published {
+            epoch: header_u64(Some(&m.headers), EPOCH_HEADER).unwrap_or(0),
+            seq: header_u64(Some(&m.headers), SEQ_HEADER).unwrap_or(0),
+        }),
+        Err(_) => None,
+    };
+    let events = args.worker.events.clone().unwrap_or_default();
+    eprintln!(
+        "kvserver relay: {events} -> {subject} (last published: {})",
+        at.map_or("none".to_string(), |p| format!(
+            "batch {} of run {}",
+            p.seq, p.epoch
+        ))
+    );
+    let work = async {
+        loop {
+            let mut sub = zeromq::SubSocket::new();
+            let ok = tokio::time::timeout(Duration::from_secs(5), sub.connect(&events)).await;
+            if !matches!(ok, Ok(Ok(()))) || sub.subscribe("").await.is_err() {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            }
+            while let Ok(msg) = sub.recv().await {
+                let frames = msg.into_vec();
+                let [_, seq, payload] = &frames[..] else {
+                    eprintln!(
+                        "kvserver relay: a message of {} frames (expected 3): dropped",
+                        frames.len()
+                    );
+                    continue;
+                };
+                let Ok(seq) = parse_seq_frame(seq) else {
+                    eprintln!(
+                        "kvserver relay: a sequence frame of {} bytes: dropped",
+                        seq.len()
+                    );
+                    continue;
+                };
+                at = Some(relay(&nats, &subject, &args, at, seq, payload.clone()).await);
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    };
+    tokio::select! {
+        () = work => Ok(()),
+        () = shutdown => Ok(()),
+    }
+}
+
+/// Publishes batch `seq`, after the batches a gap says were missed; returns where the relay
+/// is then.
+async fn relay(
+    nats: &Nats,
+    subject: &str,
+    args: &RelayArgs,
+    at: Option<Published>,
+    seq: u64,
+    payload: Bytes,
+) -> Published {
+    let (epoch, expected) = match at {
+        None => (0, 0),
+        // A live publisher never repeats a number: it started over.
+        Some(p) if seq <= p.seq => {
+            eprintln!(
+                "kvserver relay: {} started over (batch {seq} after {})",
+                args.worker.name, p.seq
+            );
+            (p.epoch + 1, 0)
+        }
+        Some(p) => (p.epoch, p.seq + 1),
+    };
+    if seq > expected {
+        if let Some(replay) = &args.worker.replay {
+            match fetch_replay(replay, expected).await {
+                Ok(batches) => {
+                    for (s, p) in batches.into_iter().filter(|(s, _)| *s < seq) {
+                        publish(nats, subject, epoch, s, p).await;
+                    }
+                }
+                Err(e) => eprintln!(
+                    "kvserver relay: replay of batches {expected}..{seq} from {replay} failed: {e}; the gap stays"
+                ),
+            }
+        }
+    }
+    publish(nats, subject, epoch, seq, payload).await;
+    Published { epoch, seq }
+}
+
+/// Publishes one batch and waits for JetStream's acknowledgement, retrying until it comes
+/// (the message id makes a retry of a stored message a no-op).
+async fn publish(nats: &Nats, subject: &str, epoch: u64, seq: u64, payload: Bytes) {
+    let mut headers = HeaderMap::new();
+    headers.insert("Nats-Msg-Id", format!("{subject}.{epoch}.{seq}").as_str());
+    headers.insert(SEQ_HEADER, seq.to_string().as_str());
+    headers.insert(EPOCH_HEADER, epoch.to_string().as_str());
+    let mut wait = Duration::from_millis(50);
+    loop {
+        let sent = nats
+            .js
+            .publish_with_headers(subject.to_string(), headers.clone(), payload.clone())
+            .await;
+        let acked = match sent {
+            Ok(ack) => ack.await.map(|_| ()).map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        match acked {
+            Ok(()) => return,
+            Err(e) => {
+                eprintln!("kvserver relay: batch {seq} not stored yet: {e} (retrying)");
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
+}

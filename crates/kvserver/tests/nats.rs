@@ -1,0 +1,322 @@
+//! KV events through a real `nats-server` with JetStream: `kvserver relay` sidecars next to
+//! `kvmock` engines, replicas that read the stream and share load, and restarts (a replica
+//! killed with SIGKILL under load, a relay, the NATS server itself) that lose nothing. Each
+//! test skips, saying why, when `nats-server` is not installed (`.ci/run` installs it).
+
+mod common;
+
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{Engine, Kvserver, Proc};
+use kvtest::net::{free_port, http};
+use serde_json::Value;
+
+/// A `nats-server -js` on a free loopback port, storing JetStream in a temporary directory.
+struct Nats {
+    proc: Option<Proc>,
+    port: u16,
+    dir: tempfile::TempDir,
+}
+
+impl Nats {
+    fn start() -> Option<Nats> {
+        if Command::new("nats-server")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_err()
+        {
+            eprintln!("skipped: nats-server is not installed (Debian package nats-server)");
+            return None;
+        }
+        let mut n = Nats {
+            proc: None,
+            port: free_port(),
+            dir: tempfile::tempdir().unwrap(),
+        };
+        n.restart();
+        Some(n)
+    }
+
+    /// Starts (again) on the same port and store.
+    fn restart(&mut self) {
+        self.proc = None;
+        let child = Command::new("nats-server")
+            .args(["-js", "-a", "127.0.0.1", "-p", &self.port.to_string()])
+            .arg("-sd")
+            .arg(self.dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("nats-server starts");
+        self.proc = Some(Proc(child));
+        wait_port(self.port, "nats-server");
+    }
+
+    fn stop(&mut self) {
+        self.proc = None;
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+}
+
+fn wait_port(port: u16, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "{what} never listened");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn relay(engine: &Engine, nats: &Nats) -> Proc {
+    let child = Command::new(env!("CARGO_BIN_EXE_kvserver"))
+        .args([
+            "relay",
+            "--worker",
+            &engine.spec(),
+            "--nats-url",
+            &nats.url(),
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("the relay starts");
+    // Let its subscription reach the publisher (ZMQ's slow joiner).
+    std::thread::sleep(Duration::from_millis(500));
+    Proc(child)
+}
+
+fn url(e: &Engine) -> String {
+    format!("http://127.0.0.1:{}", e.port)
+}
+
+/// An engine whose cache of 40 blocks evicts, so removals flow too.
+fn engine() -> Engine {
+    Engine::start_with(
+        free_port(),
+        free_port(),
+        free_port(),
+        &["--num-gpu-blocks", "40"],
+    )
+}
+
+fn replica(port: u16, engines: &[&Engine], nats: &Nats, extra: &[&str]) -> Kvserver {
+    let workers: Vec<String> = engines.iter().map(|e| url(e)).collect();
+    let mut args = vec!["--kv-event-transport", "nats", "--nats-url"];
+    let u = nats.url();
+    args.push(&u);
+    args.extend_from_slice(extra);
+    Kvserver::start_at(port, &workers, &args)
+}
+
+/// Prompt `i` of 6 families: 3 shared blocks, then 2 of its own.
+fn body(i: usize) -> String {
+    let family = i % 6;
+    let tokens: Vec<String> = (0..80)
+        .map(|t| {
+            if t < 48 {
+                (family * 1000 + t).to_string()
+            } else {
+                (100_000 + i * 100 + t).to_string()
+            }
+        })
+        .collect();
+    format!(r#"{{"prompt": [{}], "max_tokens": 3}}"#, tokens.join(","))
+}
+
+fn send(k: &Kvserver, i: usize) {
+    let (status, text) = k.post("/v1/completions", &body(i));
+    assert_eq!(status, 200, "{text}");
+}
+
+/// Each worker's (name, blocks in view, stale), sorted.
+fn views(k: &Kvserver) -> Vec<(String, u64, bool)> {
+    let v = k.get_json("/v1/admin/workers");
+    let mut out: Vec<(String, u64, bool)> = v["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| {
+            (
+                w["worker_id"].as_str().unwrap().to_string(),
+                w["block_count"].as_u64().unwrap(),
+                w["stale"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+fn positions(k: &Kvserver) -> Vec<Value> {
+    let v = k.get_json("/v1/admin/workers");
+    let mut out: Vec<(String, Value)> = v["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| (w["worker_id"].to_string(), w["position"].clone()))
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out.into_iter().map(|(_, p)| p).collect()
+}
+
+/// Waits (at most 15 s) until every server shows the reference's views, none stale.
+fn wait_agree(reference: &Kvserver, others: &[&Kvserver]) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let want = views(reference);
+        let got: Vec<_> = others.iter().map(|k| views(k)).collect();
+        if got.iter().all(|g| *g == want) && want.iter().all(|w| !w.2) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "views never agreed: reference {want:?}, others {got:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn active_blocks(k: &Kvserver) -> u64 {
+    let v = k.get_json("/v1/admin/workers");
+    v["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["active_blocks"].as_u64().unwrap())
+        .sum()
+}
+
+fn wait_until(what: &str, mut ok: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !ok() {
+        assert!(Instant::now() < deadline, "never: {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn replicas_on_jetstream_mirror_the_engines_and_share_load() {
+    let Some(nats) = Nats::start() else { return };
+    // At wall-clock speed, so that a long request is seen running.
+    let slow = || Engine::start_with(free_port(), free_port(), free_port(), &["--speedup", "1"]);
+    let (e0, e1) = (slow(), slow());
+    let _relays = [relay(&e0, &nats), relay(&e1, &nats)];
+    let sync = ["--router-replica-sync", "--replica-id"];
+    let a = replica(free_port(), &[&e0, &e1], &nats, &[sync[0], sync[1], "1"]);
+    let b = replica(free_port(), &[&e0, &e1], &nats, &[sync[0], sync[1], "2"]);
+    // The reference reads the engines' ZMQ publishers directly, and shares no load.
+    let zmq = Kvserver::start(&[&e0, &e1], &[]);
+    for i in 0..24 {
+        send(if i % 2 == 0 { &a } else { &b }, i);
+    }
+    wait_agree(&zmq, &[&a, &b]);
+    assert!(views(&zmq).iter().any(|v| v.1 > 0));
+    assert_eq!(positions(&a), positions(&b), "same stream positions");
+    assert_eq!(a.metric("kvserver_kv_gaps_total"), 0.0);
+    assert_eq!(b.metric("kvserver_kv_batches_rejected_total"), 0.0);
+
+    // A long request through a: b counts its blocks while it runs, the reference does not.
+    let port = a.port;
+    let long = std::thread::spawn(move || {
+        let tokens: Vec<String> = (0..64).map(|t| (777_000 + t).to_string()).collect();
+        let req = format!(r#"{{"prompt": [{}], "max_tokens": 300}}"#, tokens.join(","));
+        http(port, "POST", "/v1/completions", Some(&req))
+    });
+    wait_until("b sees a's request", || active_blocks(&b) == 4);
+    assert_eq!(active_blocks(&zmq), 0);
+    assert!(b.metric("kvserver_load_deltas_applied_total") >= 1.0);
+    let (status, _) = long.join().unwrap();
+    assert_eq!(status, 200);
+    wait_until("b sees it finish", || active_blocks(&b) == 0);
+}
+
+#[test]
+fn a_replica_killed_under_load_catches_up_exactly() {
+    let Some(nats) = Nats::start() else { return };
+    let (e0, e1) = (engine(), engine());
+    let _relays = [relay(&e0, &nats), relay(&e1, &nats)];
+    let a = replica(free_port(), &[&e0, &e1], &nats, &[]);
+    let b_port = free_port();
+    let snap = ["--snapshot-every", "5"];
+    let b = replica(b_port, &[&e0, &e1], &nats, &snap);
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = {
+        let (stop, port) = (Arc::clone(&stop), a.port);
+        std::thread::spawn(move || {
+            let mut i = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let (status, text) = http(port, "POST", "/v1/completions", Some(&body(i)));
+                assert_eq!(status, 200, "{text}");
+                i += 1;
+            }
+            i
+        })
+    };
+    // Long enough for b to store a snapshot (checked once a second).
+    wait_until("b stores a snapshot", || {
+        b.metric("kvserver_snapshots_total") >= 1.0
+    });
+    drop(b); // SIGKILL
+    std::thread::sleep(Duration::from_millis(700));
+    let b = replica(b_port, &[&e0, &e1], &nats, &snap);
+    let catch_up = b.metric("kvserver_catch_up_seconds");
+    assert_eq!(b.metric("kvserver_snapshot_restored"), 1.0);
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, Ordering::Relaxed);
+    let sent = load.join().unwrap();
+    assert!(sent > 20, "only {sent} requests under load");
+    wait_agree(&a, &[&b]);
+    assert_eq!(
+        positions(&a),
+        positions(&b),
+        "no batch lost or applied twice"
+    );
+    assert_eq!(b.metric("kvserver_kv_batches_rejected_total"), 0.0);
+    assert_eq!(b.metric("kvserver_kv_gaps_total"), 0.0);
+    eprintln!("{sent} requests; the restarted replica caught up in {catch_up} s");
+}
+
+#[test]
+fn relay_and_nats_restarts_lose_nothing() {
+    let Some(mut nats) = Nats::start() else {
+        return;
+    };
+    let e = engine();
+    let mut relayed = relay(&e, &nats);
+    let s = replica(free_port(), &[&e], &nats, &[]);
+    let zmq = Kvserver::start(&[&e], &[]);
+    for i in 0..10 {
+        send(&s, i);
+    }
+    wait_agree(&zmq, &[&s]);
+
+    // The relay goes; the engine goes on publishing; a new relay fills the gap by replay when
+    // the next batch shows it.
+    drop(relayed);
+    for i in 10..20 {
+        send(&zmq, i);
+    }
+    relayed = relay(&e, &nats);
+    send(&zmq, 20);
+    wait_agree(&zmq, &[&s]);
+
+    // NATS goes (JetStream is on disk); the relay retries until it is back.
+    nats.stop();
+    for i in 21..30 {
+        send(&zmq, i);
+    }
+    nats.restart();
+    send(&zmq, 30);
+    wait_agree(&zmq, &[&s]);
+    assert_eq!(s.metric("kvserver_kv_gaps_total"), 0.0);
+    assert_eq!(s.metric("kvserver_kv_batches_rejected_total"), 0.0);
+    drop(relayed);
+}
