@@ -11,7 +11,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 
 use kvtest::fuzz::{
-    block_cache_ops, hash_incremental, index_events, router_ops, trace_line, vllm_decode,
+    block_cache_ops, hash_incremental, index_events, openai_request, router_ops, trace_line,
+    vllm_decode,
 };
 use kvtest::splitmix;
 
@@ -102,4 +103,9 @@ fn hash_incremental_regressions() {
 #[test]
 fn vllm_decode_regressions() {
     replay("vllm_decode", vllm_decode::run);
+}
+
+#[test]
+fn openai_request_regressions() {
+    replay("openai_request", openai_request::run);
 }

@@ -13,10 +13,11 @@
 //!   hashes ([`crate::events::engine_block_hash`]) and the blocks' token ids.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use kvblock::{BlockHash, BlockHasher, BlockSize};
 use kvcache::KvEvent;
-use kvroute::vllm::{BlockRemoved, BlockStored, EngineEvent, EngineHash};
+use kvroute::vllm::{BlockRemoved, BlockStored, EngineEvent, EngineHash, KeyValue};
 use kvsim::{Engine, EngineConfig, EngineRequest, LinearTiming, Outcome};
 
 use crate::events::engine_block_hash;
@@ -92,11 +93,23 @@ pub const TTFT_BUCKETS_S: [f64; 22] = [
     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 ];
 
+/// The LoRA adapter a request runs with, as vLLM's events name it: `name` keys its blocks (in
+/// vLLM's block hashes and in a router's), `id` is informational.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lora {
+    /// The adapter's name (`--lora-modules NAME=PATH`), the model name requests give.
+    pub name: Arc<str>,
+    /// vLLM's integer adapter id (1 for the first adapter).
+    pub id: i64,
+}
+
 /// One resident or referenced block: its engine hash and tokens.
 #[derive(Debug)]
 struct BlockInfo {
     engine_hash: u64,
     tokens: Box<[u32]>,
+    /// The adapter whose blocks these are (every block of a chain has its first block's).
+    lora: Option<Lora>,
     /// Live requests whose prompt has this block.
     refs: u32,
     resident: bool,
@@ -181,8 +194,28 @@ impl Core {
     /// A request arrives at `t_us` (at least the current time) with its prompt `tokens`.
     /// Returns `false` (and a [`Note::Rejected`]) if it can never fit.
     pub fn arrive(&mut self, t_us: u64, id: u64, tokens: &[u32], output_len: usize) -> bool {
+        self.arrive_lora(t_us, id, tokens, output_len, None)
+    }
+
+    /// [`arrive`](Self::arrive) for LoRA adapter `lora`: its blocks are other blocks than the
+    /// base model's (vLLM keys every block of a LoRA request with the adapter's name), and
+    /// their events carry the adapter's name and id, and the name as each block's extra key.
+    pub fn arrive_lora(
+        &mut self,
+        t_us: u64,
+        id: u64,
+        tokens: &[u32],
+        output_len: usize,
+        lora: Option<&Lora>,
+    ) -> bool {
         self.advance_to(t_us);
-        let blocks = self.hasher.sequence_hashes(tokens);
+        let hasher = match lora {
+            Some(l) => self.hasher.with_lora_name(&l.name),
+            None => self.hasher,
+        };
+        let blocks = hasher.sequence_hashes(tokens);
+        // The engine's own hash is keyed by the adapter too (engine-private, like vLLM's).
+        let lora_key = lora.map_or(0, |l| xxhash_rust::xxh3::xxh3_64(l.name.as_bytes()));
         let bs = self.block_size().get();
         // Remember each block's tokens and engine hash, for the events that will name it.
         let mut parent = None;
@@ -190,8 +223,9 @@ impl Core {
             let info = self.blocks.entry(b).or_insert_with(|| {
                 let t = &tokens[i * bs..(i + 1) * bs];
                 BlockInfo {
-                    engine_hash: engine_block_hash(parent, t),
+                    engine_hash: engine_block_hash(parent, t) ^ lora_key,
                     tokens: t.into(),
+                    lora: lora.cloned(),
                     refs: 0,
                     resident: false,
                 }
@@ -245,8 +279,10 @@ impl Core {
         }
         self.step_end = None;
         self.engine.finish_step();
-        self.handle_outcomes();
+        // Events first: a request that finishes in the step that stored its blocks (one output
+        // token) releases them below, and a block no request holds is forgotten unless resident.
         self.flush_events();
+        self.handle_outcomes();
         self.start_step();
         self.refresh_counters();
     }
@@ -331,18 +367,27 @@ impl Core {
                 KvEvent::Stored { parent, blocks } => {
                     let mut hashes = Vec::with_capacity(blocks.len());
                     let mut tokens = Vec::with_capacity(blocks.len() * bs as usize);
+                    let mut lora = None;
                     for b in &blocks {
                         if let Some(info) = self.blocks.get_mut(b) {
                             info.resident = true;
                             hashes.push(EngineHash::Int(info.engine_hash));
                             tokens.extend_from_slice(&info.tokens);
+                            lora = lora.or_else(|| info.lora.clone());
                         }
                     }
                     let parent = parent
                         .and_then(|p| self.blocks.get(&p))
                         .map(|i| EngineHash::Int(i.engine_hash));
+                    let n = hashes.len();
                     let mut s = BlockStored::new(hashes, parent, tokens, bs);
                     s.medium = Some("GPU".into());
+                    if let Some(l) = lora {
+                        // As vLLM's block pool publishes a LoRA request's blocks.
+                        s.lora_name = Some(l.name.to_string());
+                        s.lora_id = Some(l.id);
+                        s.extra_keys = vec![Some(vec![KeyValue::Str(l.name.to_string())]); n];
+                    }
                     batch.push(EngineEvent::BlockStored(s));
                 }
                 KvEvent::Removed { blocks } => {
@@ -467,5 +512,90 @@ mod tests {
         assert_eq!(router.cache_view(w), core.engine().cache().len());
         // Nothing is left referenced but the resident blocks.
         assert_eq!(core.blocks.len(), core.engine().cache().len());
+    }
+
+    #[test]
+    fn a_lora_request_keys_its_blocks_by_the_adapter_and_says_so_in_its_events() {
+        let mut core = Core::new(cfg(None), LinearTiming::default(), true);
+        let prompt: Vec<u32> = (0..8).collect();
+        let lora = Lora {
+            name: "my-lora".into(),
+            id: 1,
+        };
+        assert!(core.arrive(0, 1, &prompt, 1));
+        run(&mut core);
+        // The same tokens under the adapter are other blocks: no hit on the base model's.
+        let t = core.now_us() + 1_000;
+        assert!(core.arrive_lora(t, 2, &prompt, 1, Some(&lora)));
+        let notes = run(&mut core);
+        assert!(notes.contains(&Note::Admitted {
+            id: 2,
+            cached_blocks: 0,
+            at_us: t
+        }));
+        let t = core.now_us() + 1_000;
+        assert!(core.arrive_lora(t, 3, &prompt, 1, Some(&lora)));
+        let notes = run(&mut core);
+        assert!(notes.contains(&Note::Admitted {
+            id: 3,
+            cached_blocks: 2,
+            at_us: t
+        }));
+        let mut batches = Vec::new();
+        core.take_batches(&mut batches);
+        let stored: Vec<&BlockStored> = batches
+            .iter()
+            .flatten()
+            .filter_map(|e| match e {
+                EngineEvent::BlockStored(s) => Some(s),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(stored.len(), 2, "{stored:?}");
+        // Each request finished in the step that stored its blocks, and still published them.
+        assert!(
+            stored.iter().all(|s| s.block_hashes.len() == 2),
+            "{stored:?}"
+        );
+        assert_eq!(
+            (stored[0].lora_name.as_deref(), stored[0].lora_id),
+            (None, None)
+        );
+        assert_eq!(stored[1].lora_name.as_deref(), Some("my-lora"));
+        assert_eq!(stored[1].lora_id, Some(1));
+        let key = Some(vec![KeyValue::Str("my-lora".into())]);
+        assert_eq!(stored[1].extra_keys, vec![key.clone(), key]);
+        assert_ne!(stored[0].block_hashes, stored[1].block_hashes);
+        // A router re-hashing the events finds the adapter's blocks under the adapter's salt.
+        let mut router = Router::builder()
+            .block_size(BlockSize::new(4).unwrap())
+            .build()
+            .unwrap();
+        let w = WorkerId::new(0);
+        router.add_worker(w);
+        let mut ingest = VllmIngest::new();
+        for b in batches {
+            ingest
+                .apply_payload(
+                    &mut router,
+                    w,
+                    None,
+                    &crate::events::encode_batch(
+                        &kvroute::vllm::EventBatch::new(0.0, b),
+                        crate::events::WireShape::Map,
+                    ),
+                )
+                .unwrap();
+        }
+        let salted = router
+            .route_tokens_salted(
+                kvroute::RequestId::new(9),
+                &prompt,
+                &kvroute::Salt::lora("my-lora"),
+                kvroute::Role::Unified,
+            )
+            .unwrap();
+        assert_eq!(salted.cache_hits, 2);
+        router.finish(kvroute::RequestId::new(9)).unwrap();
     }
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use kvsim::{EngineConfig, LinearTiming};
 use tokio::sync::mpsc as tmpsc;
 
-use crate::core::{Core, Counters, Note};
+use crate::core::{Core, Counters, Lora, Note};
 use crate::events::Publisher;
 
 /// What a request's stream receives from the engine.
@@ -34,6 +34,7 @@ struct Submit {
     arrived: Instant,
     tokens: Vec<u32>,
     output_len: usize,
+    lora: Option<Lora>,
     tx: tmpsc::UnboundedSender<Progress>,
 }
 
@@ -70,14 +71,15 @@ impl EngineHandle {
         EngineHandle { tx, counters }
     }
 
-    /// Hands a request that arrived at `arrived` (when the server received it) to the engine;
-    /// its progress arrives on the returned channel.
+    /// Hands a request that arrived at `arrived` (when the server received it), for LoRA
+    /// adapter `lora` if any, to the engine; its progress arrives on the returned channel.
     pub fn submit(
         &self,
         id: u64,
         arrived: Instant,
         tokens: Vec<u32>,
         output_len: usize,
+        lora: Option<Lora>,
     ) -> tmpsc::UnboundedReceiver<Progress> {
         let (tx, rx) = tmpsc::unbounded_channel();
         // If the engine thread is gone the receiver sees a closed channel.
@@ -86,6 +88,7 @@ impl EngineHandle {
             arrived,
             tokens,
             output_len,
+            lora,
             tx,
         });
         rx
@@ -131,7 +134,7 @@ fn run(
                 // thread does not delay the request (unless the engine has moved past it).
                 let t = emu(s.arrived.max(start)).max(core.now_us());
                 streams.insert(s.id, s.tx);
-                core.arrive(t, s.id, &s.tokens, s.output_len);
+                core.arrive_lora(t, s.id, &s.tokens, s.output_len, s.lora.as_ref());
             }
             Err(RecvTimeoutError::Timeout) => {
                 if let Some(t) = core.next_deadline() {

@@ -14,9 +14,11 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use kvroute::openai::{self, Endpoint, Input, Request};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use crate::core::Lora;
 use crate::driver::{EngineHandle, Progress};
 use crate::tokenize::{self, ChatTemplate, Codec};
 
@@ -39,6 +41,56 @@ pub struct ApiConfig {
     pub template: ChatTemplate,
     /// `engine` label of the metrics (the data-parallel rank).
     pub engine_label: String,
+    /// The LoRA adapters served besides the base model (`--lora-modules`): requests name one as
+    /// their `model`, and `/v1/models` lists each with the base model as its `parent`, as vLLM
+    /// does.
+    pub lora_modules: Vec<LoraModule>,
+}
+
+/// A LoRA adapter of `--lora-modules`: its name and where it would be loaded from (kvmock
+/// loads nothing; the path is only listed as the model's `root`).
+///
+/// ```
+/// use kvmock::server::LoraModule;
+/// let m: LoraModule = "sql-lora=/adapters/sql".parse()?;
+/// assert_eq!((m.name.as_str(), m.path.as_str()), ("sql-lora", "/adapters/sql"));
+/// let j: LoraModule = r#"{"name": "sql-lora", "path": "/adapters/sql"}"#.parse()?;
+/// assert_eq!(j, m);
+/// assert!("=/adapters/sql".parse::<LoraModule>().is_err());
+/// # Ok::<(), String>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoraModule {
+    /// The adapter's name.
+    pub name: String,
+    /// Its path.
+    pub path: String,
+}
+
+impl std::str::FromStr for LoraModule {
+    type Err = String;
+
+    /// vLLM's forms: `NAME=PATH`, or JSON `{"name": NAME, "path": PATH, ...}`; a bare `NAME`
+    /// is accepted too.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (name, path) = if s.trim_start().starts_with('{') {
+            let v: Value = serde_json::from_str(s)
+                .map_err(|e| format!("invalid JSON LoRA module {s}: {e}"))?;
+            let field = |k: &str| v.get(k).and_then(Value::as_str).unwrap_or("").to_string();
+            (field("name"), field("path"))
+        } else {
+            match s.split_once('=') {
+                Some((n, p)) => (n.to_string(), p.to_string()),
+                None => (s.to_string(), String::new()),
+            }
+        };
+        if name.is_empty() {
+            return Err(format!(
+                "LoRA module {s:?} has no name: expected NAME=PATH or {{\"name\": ..., \"path\": ...}}"
+            ));
+        }
+        Ok(LoraModule { name, path })
+    }
 }
 
 struct AppState {
@@ -116,10 +168,17 @@ fn json_body(v: &Value) -> ([(header::HeaderName, &'static str); 1], String) {
 
 async fn models(State(st): State<Arc<AppState>>) -> Response {
     let m = &st.cfg.model;
-    let body = json!({"object": "list", "data": [{
+    let mut data = vec![json!({
         "id": m, "object": "model", "created": st.created, "owned_by": "vllm", "root": m,
         "parent": null, "max_model_len": st.cfg.max_model_len,
-    }]});
+    })];
+    for l in &st.cfg.lora_modules {
+        data.push(json!({
+            "id": l.name, "object": "model", "created": st.created, "owned_by": "vllm",
+            "root": l.path, "parent": m, "max_model_len": null,
+        }));
+    }
+    let body = json!({"object": "list", "data": data});
     json_body(&body).into_response()
 }
 
@@ -265,66 +324,54 @@ struct Prepared {
     stream: bool,
     include_usage: bool,
     chat: bool,
+    /// The adapter the request names.
+    lora: Option<Lora>,
 }
 
-fn parse_body(body: &Bytes) -> Result<serde_json::Map<String, Value>, ApiError> {
-    match serde_json::from_slice::<Value>(body) {
-        Ok(Value::Object(m)) => Ok(m),
-        Ok(_) => Err(bad("the request body must be a JSON object")),
-        Err(e) => Err(bad(format!("malformed JSON: {e}"))),
-    }
+fn parse_body(endpoint: Endpoint, body: &Bytes) -> Result<Request, ApiError> {
+    openai::parse(endpoint, body).map_err(|e| bad(e.to_string()))
 }
 
-fn common(st: &AppState, req: &serde_json::Map<String, Value>) -> Result<(), ApiError> {
-    match req.get("model") {
-        None | Some(Value::Null) => Ok(()),
-        Some(Value::String(m)) if *m == st.cfg.model => Ok(()),
-        Some(m) => Err(error(
-            StatusCode::NOT_FOUND,
-            "NotFoundError",
-            format!("The model `{}` does not exist.", m.as_str().unwrap_or("?")),
-        )),
-    }
-}
-
-fn max_tokens(req: &serde_json::Map<String, Value>, keys: &[&str]) -> Result<usize, ApiError> {
-    for k in keys {
-        match req.get(*k) {
-            None | Some(Value::Null) => continue,
-            Some(v) => {
-                return match v.as_u64() {
-                    Some(n) if n >= 1 => Ok(usize::try_from(n).unwrap_or(usize::MAX)),
-                    _ => Err(bad(format!("{k} must be at least 1, got {v}"))),
-                };
-            }
-        }
-    }
-    Ok(16)
-}
-
-fn flag(req: &serde_json::Map<String, Value>, key: &str) -> Result<bool, ApiError> {
-    match req.get(key) {
-        None | Some(Value::Null) => Ok(false),
-        Some(Value::Bool(b)) => Ok(*b),
-        Some(v) => Err(bad(format!("{key} must be a boolean, got {v}"))),
+/// The adapter the request's `model` names (`None`: the base model), or 404.
+fn common(st: &AppState, req: &Request) -> Result<Option<Lora>, ApiError> {
+    match &req.model {
+        None => Ok(None),
+        Some(m) if *m == st.cfg.model => Ok(None),
+        Some(m) => match st.cfg.lora_modules.iter().position(|l| l.name == *m) {
+            Some(i) => Ok(Some(Lora {
+                name: m.as_str().into(),
+                id: i as i64 + 1,
+            })),
+            None => Err(error(
+                StatusCode::NOT_FOUND,
+                "NotFoundError",
+                format!("The model `{m}` does not exist."),
+            )),
+        },
     }
 }
 
 fn finish_prepare(
     st: &AppState,
-    req: &serde_json::Map<String, Value>,
+    req: &Request,
     tokens: Vec<u32>,
-    max_tokens: usize,
     chat: bool,
+    lora: Option<Lora>,
 ) -> Result<Prepared, ApiError> {
-    let _ = flag(req, "ignore_eos")?; // accepted: outputs always run to max_tokens
-    let stream = flag(req, "stream")?;
-    let include_usage = stream
-        && req
-            .get("stream_options")
-            .and_then(|o| o.get("include_usage"))
-            .and_then(Value::as_bool)
-            .unwrap_or(false);
+    // `ignore_eos` is accepted: outputs always run to max_tokens.
+    let max_tokens = match req.max_tokens {
+        None => 16,
+        Some(0) => {
+            let key = if chat {
+                "max_completion_tokens"
+            } else {
+                "max_tokens"
+            };
+            return Err(bad(format!("{key} must be at least 1, got 0")));
+        }
+        Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
+    };
+    let include_usage = req.stream && req.include_usage;
     if tokens.is_empty() {
         return Err(bad("the prompt is empty"));
     }
@@ -356,28 +403,30 @@ fn finish_prepare(
     Ok(Prepared {
         tokens,
         max_tokens,
-        stream,
+        stream: req.stream,
         include_usage,
         chat,
+        lora,
     })
 }
 
 fn prepare_completion(st: &AppState, body: &Bytes) -> Result<Prepared, ApiError> {
-    let req = parse_body(body)?;
-    common(st, &req)?;
+    let req = parse_body(Endpoint::Completions, body)?;
+    let lora = common(st, &req)?;
     let tokens =
-        tokenize::prompt_tokens(&req, |text| st.cfg.codec.encode(text, true)).map_err(bad)?;
-    let n = max_tokens(&req, &["max_tokens"])?;
-    finish_prepare(st, &req, tokens, n, false)
+        tokenize::prompt_tokens(&req.input, |text| st.cfg.codec.encode(text, true)).map_err(bad)?;
+    finish_prepare(st, &req, tokens, false, lora)
 }
 
 fn prepare_chat(st: &AppState, body: &Bytes) -> Result<Prepared, ApiError> {
-    let req = parse_body(body)?;
-    common(st, &req)?;
-    let text = tokenize::chat_text(&st.cfg.template, &req).map_err(bad)?;
+    let req = parse_body(Endpoint::Chat, body)?;
+    let lora = common(st, &req)?;
+    let Input::Messages(msgs) = &req.input else {
+        return Err(bad("a chat request needs `messages`"));
+    };
+    let text = tokenize::chat_text(&st.cfg.template, msgs).map_err(bad)?;
     let tokens = st.cfg.codec.encode(&text, false).map_err(bad)?;
-    let n = max_tokens(&req, &["max_completion_tokens", "max_tokens"])?;
-    finish_prepare(st, &req, tokens, n, true)
+    finish_prepare(st, &req, tokens, true, lora)
 }
 
 async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
@@ -454,7 +503,11 @@ async fn run(st: Arc<AppState>, p: Prepared, arrived: Instant) -> Response {
         created: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
-        model: st.cfg.model.clone(),
+        // vLLM answers with the model name asked for: the adapter's for a LoRA request.
+        model: p
+            .lora
+            .as_ref()
+            .map_or_else(|| st.cfg.model.clone(), |l| l.name.to_string()),
         chat: p.chat,
     };
     let prompt_hash = xxhash_rust::xxh3::xxh3_64(
@@ -464,7 +517,7 @@ async fn run(st: Arc<AppState>, p: Prepared, arrived: Instant) -> Response {
             .collect::<Vec<u8>>(),
     );
     let prompt_len = p.tokens.len();
-    let mut progress = st.engine.submit(n, arrived, p.tokens, p.max_tokens);
+    let mut progress = st.engine.submit(n, arrived, p.tokens, p.max_tokens, p.lora);
     let codec = st.cfg.codec.clone();
     let seed = st.cfg.seed;
     let bs = st.cfg.block_size;

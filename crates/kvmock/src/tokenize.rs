@@ -4,6 +4,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use kvroute::openai::{ChatMessage, Input};
 use minijinja::Environment;
 use serde_json::Value;
 
@@ -229,79 +230,73 @@ fn token_text(v: Option<&Value>) -> String {
     }
 }
 
-/// The prompt of an OpenAI completions request body as token ids: `prompt` as text (through
-/// `encode`), a list of token ids, or a one-element list of either. The error says what is wrong.
+/// The prompt of an OpenAI completions request (read with [`kvroute::openai::parse`]) as token
+/// ids: text through `encode`, token ids as they are. Chat messages are refused (render them
+/// with [`chat_text`] first).
 ///
 /// ```
 /// use kvmock::tokenize::prompt_tokens;
-/// let body = |v: serde_json::Value| v.as_object().cloned().unwrap_or_default();
-/// let ids = prompt_tokens(&body(serde_json::json!({"prompt": [1, 2, 3]})), |_| Err("no text".into()));
+/// use kvroute::openai::{parse, Endpoint};
+/// let input = |b: &str| parse(Endpoint::Completions, b.as_bytes()).map(|r| r.input);
+/// let ids = prompt_tokens(&input(r#"{"prompt": [1, 2, 3]}"#)?, |_| Err("no text".into()));
 /// assert_eq!(ids, Ok(vec![1, 2, 3]));
-/// let text = prompt_tokens(&body(serde_json::json!({"prompt": "hi"})), |t| Ok(vec![t.len() as u32]));
+/// let text = prompt_tokens(&input(r#"{"prompt": "hi"}"#)?, |t| Ok(vec![t.len() as u32]));
 /// assert_eq!(text, Ok(vec![2]));
-/// assert!(prompt_tokens(&body(serde_json::json!({})), |_| Ok(vec![])).is_err());
+/// # Ok::<(), kvroute::openai::RequestError>(())
 /// ```
 pub fn prompt_tokens(
-    req: &serde_json::Map<String, Value>,
+    input: &Input,
     encode: impl Fn(&str) -> Result<Vec<u32>, String>,
 ) -> Result<Vec<u32>, String> {
-    let ids = |items: &[Value]| -> Result<Vec<u32>, String> {
-        items
-            .iter()
-            .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
-            .collect::<Option<_>>()
-            .ok_or_else(|| "prompt: token ids must be integers from 0 to 4294967295".into())
-    };
-    match req.get("prompt") {
-        None | Some(Value::Null) => Err("missing field `prompt`".into()),
-        Some(Value::String(s)) => encode(s),
-        Some(Value::Array(items)) if items.is_empty() => Err("the prompt is empty".into()),
-        Some(Value::Array(items)) => match &items[0] {
-            Value::Number(_) => ids(items),
-            Value::String(s) if items.len() == 1 => encode(s),
-            Value::Array(inner) if items.len() == 1 => ids(inner),
-            _ => Err(
-                "prompt: one text or one list of token ids (batched prompts are not supported)"
-                    .into(),
-            ),
-        },
-        Some(v) => Err(format!("prompt: expected text or token ids, got {v}")),
+    match input {
+        Input::Text(s) => encode(s),
+        Input::Ids(ids) => Ok(ids.clone()),
+        _ => Err("a completions request needs a `prompt`, not messages".into()),
     }
 }
 
-/// The text an OpenAI chat request's `messages` render to through the model's chat template
-/// (with the generation prompt), as the engine renders it. Content given as a list of parts
-/// becomes its text parts, joined by newlines.
-pub fn chat_text(
-    template: &ChatTemplate,
-    req: &serde_json::Map<String, Value>,
-) -> Result<String, String> {
-    let Some(Value::Array(msgs)) = req.get("messages") else {
-        return Err("missing field `messages` (a list of messages)".into());
-    };
-    if msgs.is_empty() {
-        return Err("messages is empty".into());
-    }
-    let mut norm = Vec::with_capacity(msgs.len());
-    for m in msgs {
-        let Some(role) = m.get("role").and_then(Value::as_str) else {
-            return Err("every message needs a string `role`".into());
-        };
-        let content = match m.get("content") {
-            Some(Value::String(s)) => s.clone(),
-            Some(Value::Array(parts)) => parts
-                .iter()
-                .filter_map(|p| p.get("text").and_then(Value::as_str))
-                .collect::<Vec<_>>()
-                .join("\n"),
-            None | Some(Value::Null) => String::new(),
-            Some(v) => return Err(format!("message content: expected text, got {v}")),
-        };
-        norm.push(serde_json::json!({"role": role, "content": content}));
-    }
+/// The messages as the chat template takes them: each message's role and its text parts joined
+/// by newlines (vLLM's flattening for a template that takes string content). Media parts are
+/// left out: the emulated engine has no vision or audio encoder.
+fn template_messages(msgs: &[ChatMessage]) -> Value {
+    Value::Array(
+        msgs.iter()
+            .map(|m| serde_json::json!({"role": m.role, "content": m.text()}))
+            .collect(),
+    )
+}
+
+/// The text chat `messages` render to through the model's chat template (with the generation
+/// prompt), as the engine renders it.
+pub fn chat_text(template: &ChatTemplate, msgs: &[ChatMessage]) -> Result<String, String> {
     template
-        .render(&Value::Array(norm))
+        .render(&template_messages(msgs))
         .map_err(|e| e.to_string())
+}
+
+/// Where a multimodal chat prompt stops being text the router can reproduce: the rendered
+/// prompt up to the start of the content of `msgs[first]` (the first message with an image,
+/// audio or video part). vLLM puts a media item's placeholder tokens in the content of its
+/// message, and its block hashes differ from a text-only prompt's only from the first block
+/// that holds a placeholder; everything before the message's content renders the same whatever
+/// the content is. `None` when the template does not render the content verbatim (a marker put
+/// in its place is not found once).
+pub fn chat_text_before(
+    template: &ChatTemplate,
+    msgs: &[ChatMessage],
+    first: usize,
+) -> Option<String> {
+    // A marker no tokenizer or template produces by itself.
+    const MARK: &str = "\u{1}kvkit-media-starts-here\u{1}";
+    let mut v = template_messages(msgs);
+    let content = v.get_mut(first)?.get_mut("content")?;
+    *content = Value::from(MARK);
+    let text = template.render(&v).ok()?;
+    let at = text.find(MARK)?;
+    if text[at + MARK.len()..].contains(MARK) {
+        return None;
+    }
+    Some(text[..at].to_string())
 }
 
 /// Loads `--tokenizer PATH`: a `tokenizer.json`, or a directory with it and (optionally)
@@ -435,6 +430,35 @@ mod tests {
         let mut d = codec.decoder();
         let text: String = ids.iter().map(|&i| d.push(i)).collect();
         assert_eq!(text, "hello  world");
+    }
+
+    #[test]
+    fn a_media_prompt_renders_up_to_its_first_media_message() {
+        let body = br#"{"messages": [{"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "what is"},
+                                         {"type": "image_url", "image_url": {"url": "x"}}]},
+            {"role": "user", "content": "and this?"}]}"#;
+        let req = kvroute::openai::parse(kvroute::openai::Endpoint::Chat, body).unwrap();
+        let Input::Messages(msgs) = &req.input else {
+            panic!("{req:?}")
+        };
+        let t = ChatTemplate::default();
+        let full = chat_text(&t, msgs).unwrap();
+        let before = chat_text_before(&t, msgs, 1).unwrap();
+        assert_eq!(
+            before,
+            "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\n"
+        );
+        assert!(full.starts_with(&before) && full.contains("what is"));
+        assert_eq!(chat_text_before(&t, msgs, 3), None);
+        // A template that does not render the content as given hides where it starts.
+        let upper = ChatTemplate::new(
+            "{% for m in messages %}{{ m.content | upper }}{% endfor %}",
+            String::new(),
+            String::new(),
+        )
+        .unwrap();
+        assert_eq!(chat_text_before(&upper, msgs, 1), None);
     }
 
     #[test]

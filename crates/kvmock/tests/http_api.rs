@@ -142,7 +142,7 @@ fn bad_input_gets_openai_errors_and_other_requests_continue() {
         ],
     );
     let cases: &[(&str, &str, u16, &str)] = &[
-        ("/v1/completions", "{not json", 400, "malformed JSON"),
+        ("/v1/completions", "{not json", 400, "invalid JSON"),
         ("/v1/completions", "[1, 2]", 400, "JSON object"),
         ("/v1/completions", r#"{"max_tokens": 3}"#, 400, "prompt"),
         (
@@ -161,7 +161,7 @@ fn bad_input_gets_openai_errors_and_other_requests_continue() {
             "/v1/completions",
             r#"{"prompt": [1, -2], "max_tokens": 2}"#,
             400,
-            "token ids",
+            "token id",
         ),
         (
             "/v1/completions",

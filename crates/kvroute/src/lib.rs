@@ -47,6 +47,7 @@
 //! | feature | default | what it adds | what it costs |
 //! |---|---|---|---|
 //! | `vllm` | off | the `kvroute::vllm` module: decodes vLLM's (and SGLang's) MessagePack KV-event batches and applies them to a [`Router`] (engine block hashes mapped to ours, sequence numbers checked) | the `rmpv` crate (MessagePack values) |
+//! | `openai` | off | the `kvroute::openai` module: reads the routing-relevant fields of an OpenAI completions or chat request body (prompt text or token ids, chat messages and their media parts, model, `stream`, `max_tokens`, `cache_salt`), with errors naming the field | the `serde_json` crate |
 //! | `serde` | off | `Serialize`/`Deserialize` for [`LoadDelta`] (and `kvblock/serde`, `kvcache/serde`) | the `serde` crate |
 //!
 //! Always needed: `kvcache` (and `kvblock`), `hashbrown`, `xxhash-rust` (the consistent-hash
@@ -61,6 +62,8 @@
 
 mod groups;
 mod model;
+#[cfg(feature = "openai")]
+pub mod openai;
 mod replicas;
 mod ring;
 mod router;

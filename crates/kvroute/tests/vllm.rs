@@ -499,12 +499,15 @@ fn engine_event() -> impl Strategy<Value = EngineEvent> {
             proptest::option::of(any::<i64>()),
             opt_str(),
             opt_str(),
+            opt_str(),
         )
-            .prop_map(|(h, p, t, bs, lora_id, medium, lora_name)| {
+            .prop_map(|(h, p, t, bs, lora_id, medium, lora_name, cache_salt)| {
                 let mut s = BlockStored::new(h, p, t, bs);
                 s.lora_id = lora_id;
                 s.medium = medium;
                 s.lora_name = lora_name;
+                // SGLang's BlockStoredWithMetadata.
+                s.cache_salt = cache_salt;
                 EngineEvent::BlockStored(s)
             }),
         (proptest::collection::vec(engine_hash(), 0..4), opt_str()).prop_map(|(h, medium)| {

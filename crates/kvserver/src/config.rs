@@ -109,6 +109,11 @@ pub struct Config {
     /// events confirm them (0 = off), milliseconds.
     #[arg(long, default_value_t = 0, value_name = "MS")]
     pub predicted_ttl_ms: u64,
+    /// LoRA adapters the workers serve (vLLM's NAME=PATH form accepted, the path ignored): a
+    /// request whose model names one is hashed with the adapter's name, as vLLM hashes it.
+    /// Adapters the workers list in /v1/models (with a parent) are learned as well, every 2 s.
+    #[arg(long, num_args = 1.., value_delimiter = ',', value_name = "NAME[=PATH]")]
+    pub lora_modules: Vec<String>,
     /// A sidecar instead of the server (`kvserver relay --help`).
     #[command(subcommand)]
     pub command: Option<Command>,

@@ -33,6 +33,7 @@
 pub mod config;
 pub mod discovery;
 pub mod events;
+pub mod lora;
 pub mod nats;
 pub mod proxy;
 pub mod relay;
@@ -151,6 +152,7 @@ pub async fn serve(
         tokio::spawn(discovery::watch_etcd(Arc::clone(&server), endpoint));
     }
     tokio::spawn(proxy::revive(Arc::clone(&server)));
+    tokio::spawn(lora::watch(Arc::clone(&server)));
     let addr = listener
         .local_addr()
         .map(|a| a.to_string())

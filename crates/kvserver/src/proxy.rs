@@ -11,10 +11,11 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures_util::StreamExt;
-use http_body_util::{BodyExt, BodyStream, Full};
+use http_body_util::{BodyStream, Full};
 use kvmock::tokenize;
+use kvroute::openai::{self, Endpoint, Input, Request};
 use kvroute::{RequestId, Role};
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
 use crate::state::{Server, Worker};
 
@@ -80,15 +81,6 @@ impl IntoResponse for ApiError {
     }
 }
 
-fn parse(body: &Bytes) -> Result<Map<String, Value>, ApiError> {
-    let bad = |m: String| ApiError(StatusCode::BAD_REQUEST, "BadRequestError", m);
-    match serde_json::from_slice::<Value>(body) {
-        Ok(Value::Object(m)) => Ok(m),
-        Ok(_) => Err(bad("the request body must be a JSON object".into())),
-        Err(e) => Err(bad(format!("invalid JSON body: {e}"))),
-    }
-}
-
 const NO_TOKENIZER: &str = "this router has no tokenizer (start it with \
 --router-tokenizer-path): send the prompt as token ids";
 
@@ -119,11 +111,21 @@ fn body_of(server: &Server, body: Body413) -> Result<Bytes, ApiError> {
     })
 }
 
-/// The body and its JSON object, or the error answer.
-fn request_of(server: &Server, body: Body413) -> Result<(Bytes, Map<String, Value>), ApiError> {
+/// The body and what the router reads of it, or the error answer.
+fn request_of(
+    server: &Server,
+    endpoint: Endpoint,
+    body: Body413,
+) -> Result<(Bytes, Request), ApiError> {
     let body = body_of(server, body)?;
-    let req = parse(&body)?;
-    Ok((body, req))
+    match openai::parse(endpoint, &body) {
+        Ok(req) => Ok((body, req)),
+        Err(e) => Err(ApiError(
+            StatusCode::BAD_REQUEST,
+            "BadRequestError",
+            e.to_string(),
+        )),
+    }
 }
 
 async fn completions(
@@ -131,11 +133,11 @@ async fn completions(
     headers: header::HeaderMap,
     body: Body413,
 ) -> Response {
-    let (body, req) = match request_of(&server, body) {
+    let (body, req) = match request_of(&server, Endpoint::Completions, body) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    match tokenize::prompt_tokens(&req, |t| encode(&server, t, true)) {
+    match tokenize::prompt_tokens(&req.input, |t| encode(&server, t, true)) {
         Ok(tokens) => {
             forward(
                 server,
@@ -143,7 +145,7 @@ async fn completions(
                 body,
                 headers.get(header::AUTHORIZATION),
                 &tokens,
-                salt_of(&req),
+                &req,
             )
             .await
         }
@@ -156,15 +158,14 @@ async fn chat(
     headers: header::HeaderMap,
     body: Body413,
 ) -> Response {
-    let (body, req) = match request_of(&server, body) {
+    if server.text.is_none() {
+        return bad("this router has no tokenizer (start it with --router-tokenizer-path): chat requests need one");
+    }
+    let (body, req) = match request_of(&server, Endpoint::Chat, body) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    let Some((_, template)) = &server.text else {
-        return bad("this router has no tokenizer (start it with --router-tokenizer-path): chat requests need one");
-    };
-    let tokens = tokenize::chat_text(template, &req).and_then(|t| encode(&server, &t, false));
-    match tokens {
+    match chat_tokens(&server, &req) {
         Ok(tokens) => {
             forward(
                 server,
@@ -172,11 +173,33 @@ async fn chat(
                 body,
                 headers.get(header::AUTHORIZATION),
                 &tokens,
-                salt_of(&req),
+                &req,
             )
             .await
         }
         Err(e) => bad(e),
+    }
+}
+
+/// The tokens a chat request is routed on: the whole rendered prompt, or for a prompt with
+/// media only its text before the first media message's content (see
+/// [`tokenize::chat_text_before`]), less its last token (a tokenizer may merge it with what
+/// follows). Nothing when the template hides where that content starts: the request is then
+/// routed on load alone.
+fn chat_tokens(server: &Server, req: &Request) -> Result<Vec<u32>, String> {
+    let (Some((_, template)), Input::Messages(msgs)) = (&server.text, &req.input) else {
+        return Err(NO_TOKENIZER.into());
+    };
+    match req.first_media_message() {
+        None => encode(server, &tokenize::chat_text(template, msgs)?, false),
+        Some(first) => match tokenize::chat_text_before(template, msgs, first) {
+            Some(text) => {
+                let mut t = encode(server, &text, false)?;
+                t.pop();
+                Ok(t)
+            }
+            None => Ok(Vec::new()),
+        },
     }
 }
 
@@ -196,25 +219,18 @@ impl Drop for Finish {
 }
 
 /// Routes `tokens`, forwards `body` to the winner and streams its response back. A worker that
-/// refuses the connection is marked down and the next-best one is tried.
-/// The request's `cache_salt` (vLLM's field: it keys the first block, so only requests with the
-/// same salt share cached blocks).
-fn salt_of(req: &Map<String, Value>) -> Option<String> {
-    req.get("cache_salt")
-        .and_then(Value::as_str)
-        .filter(|s| !s.is_empty())
-        .map(str::to_string)
-}
-
+/// refuses the connection is marked down and the next-best one is tried. The request's
+/// `cache_salt` (vLLM's field) keys its first block, so only requests with the same salt share
+/// cached blocks.
 async fn forward(
     server: Arc<Server>,
     path: &str,
     body: Bytes,
     auth: Option<&header::HeaderValue>,
     tokens: &[u32],
-    cache_salt: Option<String>,
+    req: &Request,
 ) -> Response {
-    let keys = match &cache_salt {
+    let keys = match &req.cache_salt {
         None => Vec::new(),
         Some(salt) => kvblock::vllm_extra_keys(
             kvblock::BlockSize::new(server.cfg.block_size).unwrap_or_default(),
@@ -223,19 +239,17 @@ async fn forward(
             Some(salt),
         ),
     };
+    // A LoRA adapter's blocks are keyed by its name (see `crate::lora`).
+    let salt = server.lora.salt(req.model.as_deref());
     for _ in 0..server.workers().len().max(1) {
         let id = server.next_request_id();
         let started = Instant::now();
         let decision = {
             let mut mirror = server.mirror();
             mirror.router.set_clock(server.started.elapsed());
-            let d = mirror.router.route_tokens_keyed(
-                id,
-                tokens,
-                &kvroute::Salt::default(),
-                &keys,
-                Role::Unified,
-            );
+            let d = mirror
+                .router
+                .route_tokens_keyed(id, tokens, &salt, &keys, Role::Unified);
             server.flush_deltas(&mut mirror.router);
             d
         };
@@ -410,32 +424,20 @@ pub async fn revive(server: Arc<Server>) {
 
 async fn models(State(server): State<Arc<Server>>) -> Response {
     let mut seen = std::collections::BTreeMap::new();
+    let mut answers = Vec::new();
     for w in &server.workers() {
-        let Ok(req) =
-            hyper::Request::get(format!("{}/v1/models", w.spec.url)).body(Full::new(Bytes::new()))
-        else {
-            continue;
-        };
-        let Ok(Ok(resp)) = tokio::time::timeout(
-            std::time::Duration::from_secs(2),
-            server.client.request(req),
-        )
-        .await
-        else {
-            continue;
-        };
-        let Ok(body) = resp.into_body().collect().await else {
-            continue;
-        };
-        let Ok(v) = serde_json::from_slice::<Value>(&body.to_bytes()) else {
-            continue;
-        };
+        if let Some(v) = crate::lora::worker_models(&server, w).await {
+            answers.push(v);
+        }
+    }
+    for v in &answers {
         for m in v["data"].as_array().into_iter().flatten() {
             if let Some(id) = m["id"].as_str() {
                 seen.entry(id.to_string()).or_insert_with(|| m.clone());
             }
         }
     }
+    server.lora.learn(&answers);
     let data: Vec<Value> = seen.into_values().collect();
     axum::Json(json!({"object": "list", "data": data})).into_response()
 }
@@ -483,7 +485,7 @@ async fn workers(State(server): State<Arc<Server>>) -> Response {
             })
         })
         .collect();
-    axum::Json(json!({"workers": list})).into_response()
+    axum::Json(json!({"workers": list, "lora_adapters": server.lora.names()})).into_response()
 }
 
 mod log {

@@ -106,6 +106,8 @@ pub struct Server {
     pub(crate) started: std::time::Instant,
     /// Whether the router needs each request's first token (`Router::prefill_done`).
     pub(crate) tracks_prefill: bool,
+    /// The LoRA adapters requests may name (`--lora-modules`, the workers' `/v1/models`).
+    pub lora: crate::lora::Adapters,
     /// This replica's id among those that share load (`--router-replica-sync`).
     pub replica: u64,
     /// Where this replica's load deltas go to be published (`--router-replica-sync`).
@@ -196,7 +198,9 @@ impl Server {
             .build(conn);
         let tracks_prefill =
             cfg.cost_model.0 != kvroute::CostModel::Seed || cfg.busy_threshold.is_some();
+        let lora = crate::lora::Adapters::new(&cfg.lora_modules);
         Ok(Server {
+            lora,
             started: std::time::Instant::now(),
             tracks_prefill,
             cfg,

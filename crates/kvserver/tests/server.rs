@@ -105,6 +105,16 @@ fn bad_input_gets_openai_errors() {
     let (s, m) = error(server.post("/v1/completions", r#"{"max_tokens": 1}"#));
     assert_eq!(s, 400);
     assert!(m.contains("prompt"), "{m}");
+    // The router reads what it routes on as vLLM does, and says which field is wrong.
+    let (s, m) = error(server.post("/v1/completions", r#"{"prompt": [1, 2], "stream": "yes"}"#));
+    assert_eq!(s, 400);
+    assert_eq!(m, r#"stream: expected a boolean, got "yes""#);
+    let (s, m) = error(server.post("/v1/completions", r#"{"prompt": [1, 2], "cache_salt": 7}"#));
+    assert_eq!(s, 400);
+    assert!(
+        m.starts_with("cache_salt: expected a non-empty string"),
+        "{m}"
+    );
     let big: Vec<u32> = (0..2000).collect();
     let (s, m) = error(server.post("/v1/completions", &completion(&big, false)));
     assert_eq!(s, 413);

@@ -74,6 +74,12 @@ struct Cli {
     /// Seed of the output tokens.
     #[arg(long, default_value_t = 0, value_name = "S")]
     seed: u64,
+    /// LoRA adapters served besides the base model, as vLLM's flag: NAME=PATH (or vLLM's JSON
+    /// form) each. Requests naming one as their model run with it: its blocks are keyed by its
+    /// name (never shared with the base model's), and its KV events carry the name, as vLLM's.
+    /// /v1/models lists each with the base model as parent. Nothing is loaded.
+    #[arg(long, num_args = 1.., value_name = "NAME=PATH")]
+    lora_modules: Vec<kvmock::server::LoraModule>,
     /// Data-parallel rank: offsets the KV-event ports and tags the batches, as vLLM does.
     #[arg(long, value_name = "RANK")]
     data_parallel_rank: Option<u16>,
@@ -202,6 +208,7 @@ async fn serve(cli: Cli, s: Setup) -> Result<(), MockError> {
         codec: s.codec,
         template: s.template,
         engine_label: cli.data_parallel_rank.unwrap_or(0).to_string(),
+        lora_modules: cli.lora_modules.clone(),
     };
     let addr = format!("{}:{}", cli.host, cli.port);
     let listener = tokio::net::TcpListener::bind(&addr)

@@ -123,6 +123,7 @@ struct Raw {
     kv_cache_spec_kind: Option<Value>,
     kv_cache_spec_sliding_window: Option<Value>,
     lookahead_token_ids: Option<Value>,
+    metadata: Option<Value>,
 }
 
 fn event_from_value(i: usize, v: Value) -> Result<EngineEvent, VllmError> {
@@ -178,12 +179,26 @@ fn positional(at: &str, items: Vec<Value>) -> Result<(Kind, Raw), VllmError> {
             raw.block_size = it.next();
             raw.lora_id = it.next();
             raw.medium = it.next();
-            raw.lora_name = it.next();
-            raw.extra_keys = it.next();
-            raw.group_idx = it.next();
-            raw.kv_cache_spec_kind = it.next();
-            raw.kv_cache_spec_sliding_window = it.next();
-            raw.lookahead_token_ids = it.next();
+            match it.next() {
+                // SGLang's `BlockStoredWithMetadata` in its first layout: the 7 fields of its
+                // `BlockStored`, then the metadata map where vLLM has `lora_name`.
+                Some(m @ Value::Map(_)) => raw.metadata = Some(m),
+                lora_name => {
+                    raw.lora_name = lora_name;
+                    raw.extra_keys = it.next();
+                    raw.group_idx = it.next();
+                    raw.kv_cache_spec_kind = it.next();
+                    raw.kv_cache_spec_sliding_window = it.next();
+                    raw.lookahead_token_ids = match it.next() {
+                        // SGLang's layout has `locality` (a string) here.
+                        Some(Value::String(_)) => None,
+                        v => v,
+                    };
+                    // SGLang's later layout puts the metadata map after every positional
+                    // field (`locality`, `ownership`); the first map past the known fields.
+                    raw.metadata = it.find(Value::is_map);
+                }
+            }
         }
         Kind::Removed => {
             raw.block_hashes = it.next();
@@ -214,6 +229,7 @@ fn named(at: &str, entries: Vec<(Value, Value)>) -> Result<(Kind, Raw), VllmErro
             Some("kv_cache_spec_kind") => &mut raw.kv_cache_spec_kind,
             Some("kv_cache_spec_sliding_window") => &mut raw.kv_cache_spec_sliding_window,
             Some("lookahead_token_ids") => &mut raw.lookahead_token_ids,
+            Some("metadata") => &mut raw.metadata,
             _ => continue,
         };
         *slot = Some(v);
@@ -277,6 +293,7 @@ fn build(at: String, kind: Kind, raw: Raw) -> Result<EngineEvent, VllmError> {
                     &format!("{at}.lookahead_token_ids"),
                     raw.lookahead_token_ids,
                 )?,
+                cache_salt: metadata_salt(&format!("{at}.metadata"), raw.metadata)?,
             }))
         }
         Kind::Removed => {
@@ -289,6 +306,22 @@ fn build(at: String, kind: Kind, raw: Raw) -> Result<EngineEvent, VllmError> {
         }
         Kind::Cleared => Ok(EngineEvent::AllBlocksCleared),
     }
+}
+
+/// The `cache_salt` of SGLang's `BlockStoredWithMetadata` metadata map (absent, nil or without
+/// the key: none; other keys are ignored, as newer fields).
+fn metadata_salt(at: &str, v: Option<Value>) -> Result<Option<String>, VllmError> {
+    const EXPECTED: &str = "a metadata map ({\"cache_salt\": string}) or nil";
+    let entries = match v {
+        None | Some(Value::Nil) => return Ok(None),
+        Some(Value::Map(entries)) => entries,
+        Some(v) => return Err(schema(at.into(), EXPECTED, &v)),
+    };
+    let salt = entries
+        .into_iter()
+        .find(|(k, _)| k.as_str() == Some("cache_salt"))
+        .map(|(_, v)| v);
+    opt_string(&format!("{at}.cache_salt"), salt)
 }
 
 #[cfg(test)]

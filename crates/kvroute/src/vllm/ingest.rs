@@ -8,7 +8,7 @@ use kvblock::{BlockHash, BlockHasher, BlockSize, ExtraKeys};
 use kvcache::{FixedState, KvEvent, Tier, WorkerId};
 
 use super::snapshot::FeedSnapshot;
-use super::wire::to_extra_keys;
+use super::wire::SGLANG_CACHE_SALT_PREFIX;
 use super::{
     decode_event_batch, parse_seq_frame, BlockStored, EngineEvent, EngineHash, EventBatch,
     KeyValue, VllmError,
@@ -613,16 +613,34 @@ fn rule_of(st: &BlockStored) -> (GroupRule, bool) {
 }
 
 /// A block's extra keys for our hash: the engine's, less the LoRA name vLLM puts first (it
-/// salts the hasher already).
+/// salts the hasher already) and SGLang's prefixed copies of the cache salt; the cache salt
+/// (SGLang's metadata, or its prefixed key) keys the prompt's first block only, as
+/// [`kvblock::vllm_extra_keys`] keys a request's (later blocks carry it through the chain).
 fn block_keys(st: &BlockStored, i: usize) -> ExtraKeys {
-    let Some(Some(values)) = st.extra_keys.get(i) else {
-        return ExtraKeys::new();
+    let values: &[KeyValue] = match st.extra_keys.get(i) {
+        Some(Some(values)) => values,
+        _ => &[],
     };
-    let values: &[KeyValue] = match (values.first(), &st.lora_name) {
+    let values = match (values.first(), &st.lora_name) {
         (Some(KeyValue::Str(first)), Some(name)) if first == name => &values[1..],
         _ => values,
     };
-    to_extra_keys(values)
+    let mut salt = st.cache_salt.as_deref();
+    let mut keys = ExtraKeys::new();
+    for v in values {
+        match v {
+            KeyValue::Str(s) if s.starts_with(SGLANG_CACHE_SALT_PREFIX) => {
+                salt = salt.or(s.get(SGLANG_CACHE_SALT_PREFIX.len()..));
+            }
+            v => v.push_onto(&mut keys),
+        }
+    }
+    if i == 0 && st.parent_block_hash.is_none() {
+        if let Some(salt) = salt.filter(|s| !s.is_empty()) {
+            keys.push_str(salt);
+        }
+    }
+    keys
 }
 
 /// Re-hashes and applies one `BlockStored` to its target.
@@ -643,7 +661,8 @@ fn store(
         Target::Primary => 1,
         Target::Side(_, spec) => spec.block_size.get() / router.block_size().get(),
     };
-    if factor > 1 && !st.extra_keys.iter().all(Option::is_none) {
+    let keyed = st.cache_salt.is_some() || !st.extra_keys.iter().all(Option::is_none);
+    if factor > 1 && keyed {
         // Our hashes key router-sized blocks; a larger block's keys cannot be split onto them.
         out.untracked_blocks += st.block_hashes.len();
         return Ok(());
@@ -672,8 +691,8 @@ fn store(
     }
     let hasher =
         BlockHasher::new(router.block_size()).with_lora_name(st.lora_name.as_deref().unwrap_or(""));
-    let keys: Vec<ExtraKeys> = if factor == 1 {
-        (0..st.extra_keys.len())
+    let keys: Vec<ExtraKeys> = if factor == 1 && keyed {
+        (0..st.block_hashes.len())
             .map(|i| block_keys(st, i))
             .collect()
     } else {

@@ -14,6 +14,16 @@
 //! AllBlocksCleared
 //! ```
 //!
+//! SGLang publishes the same batches (`attn_dp_rank` in the third place) as tagged arrays. Its
+//! `BlockStoredWithMetadata` shares the `BlockStored` tag and adds the request's cache salt as a
+//! map, `{"cache_salt": ...}` (read into [`BlockStored::cache_salt`]): in its first layout right
+//! after `medium` (where vLLM has `lora_name`), in its later one after every positional field
+//! (`locality` and `ownership` follow `kv_cache_spec_sliding_window`; a string there is SGLang's
+//! `locality`, not a lookahead), with the salt also in each block's extra keys behind
+//! [`SGLANG_CACHE_SALT_PREFIX`]. Either way ingestion keys the prompt's first block with the salt,
+//! as a request with `cache_salt` is keyed ([`kvblock::vllm_extra_keys`]); a map shape may carry
+//! it under `metadata`.
+//!
 //! Each event is either an array whose first element names it (`["BlockStored", [...], ...]`,
 //! msgspec's tagged array form) or a map with a `"type"` key and the fields by name. Engine block
 //! hashes are integers (a negative `i64` is taken as its bit pattern) or byte strings. Extra fields
@@ -162,4 +172,7 @@ pub use decode::{decode_event_batch, parse_seq_frame};
 pub use error::VllmError;
 pub use ingest::{IngestStats, IngestSummary, VllmIngest};
 pub use snapshot::{FeedSnapshot, MirrorSnapshot, MIRROR_SNAPSHOT_VERSION};
-pub use wire::{BlockRemoved, BlockStored, EngineEvent, EngineHash, EventBatch, KeyValue};
+pub use wire::{
+    BlockRemoved, BlockStored, EngineEvent, EngineHash, EventBatch, KeyValue,
+    SGLANG_CACHE_SALT_PREFIX,
+};

@@ -94,7 +94,16 @@ pub struct BlockStored {
     /// Tokens after the last block that keyed the engine's hash (speculative decoding with a
     /// draft model); accepted, not hashed (see the [module docs](super#limits)).
     pub lookahead_token_ids: Option<Vec<u32>>,
+    /// The request's cache salt, from SGLang's `BlockStoredWithMetadata` (its trailing
+    /// `metadata` map, `{"cache_salt": ...}`). Ingestion keys a prompt's first block with it, as
+    /// the router keys a request with `cache_salt` ([`kvblock::vllm_extra_keys`]), so only
+    /// requests with the same salt hit.
+    pub cache_salt: Option<String>,
 }
+
+/// The prefix SGLang puts before a cache salt it also writes into a block's extra keys (the
+/// name Dynamo's router strips): such a key is the salt, not a key of its own.
+pub const SGLANG_CACHE_SALT_PREFIX: &str = "dynamo-cache-salt:";
 
 impl BlockStored {
     /// A `BlockStored` without LoRA adapter or medium (set the public fields for those).
@@ -117,6 +126,7 @@ impl BlockStored {
             kv_cache_spec_kind: None,
             kv_cache_spec_sliding_window: None,
             lookahead_token_ids: None,
+            cache_salt: None,
         }
     }
 
@@ -154,7 +164,7 @@ pub enum KeyValue {
 }
 
 impl KeyValue {
-    fn push_onto(&self, keys: &mut kvblock::ExtraKeys) {
+    pub(super) fn push_onto(&self, keys: &mut kvblock::ExtraKeys) {
         match self {
             KeyValue::Str(s) => keys.push_str(s),
             KeyValue::Bytes(b) => keys.push_bytes(b),
@@ -223,6 +233,9 @@ impl BlockRemoved {
 /// One event of a vLLM [`EventBatch`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
+// Events live in their batch's list and are applied in place: boxing `BlockStored`, the event
+// carrying tokens, would add an allocation per stored event to shrink the others.
+#[allow(clippy::large_enum_variant)]
 pub enum EngineEvent {
     /// Blocks became resident.
     BlockStored(BlockStored),
@@ -385,6 +398,14 @@ fn fields(e: &EngineEvent) -> Vec<(&'static str, Value, bool)> {
             (
                 "lookahead_token_ids",
                 s.lookahead_token_ids.as_deref().map_or(Value::Nil, tokens),
+                true,
+            ),
+            // SGLang's `BlockStoredWithMetadata` appends it last.
+            (
+                "metadata",
+                s.cache_salt.as_deref().map_or(Value::Nil, |salt| {
+                    Value::Map(vec![(Value::from("cache_salt"), Value::from(salt))])
+                }),
                 true,
             ),
         ],

@@ -10,6 +10,8 @@
 pub mod block_cache_ops;
 pub mod hash_incremental;
 pub mod index_events;
+#[cfg(feature = "openai")]
+pub mod openai_request;
 pub mod router_ops;
 pub mod trace_line;
 #[cfg(feature = "vllm")]

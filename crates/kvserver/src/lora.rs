@@ -1,0 +1,159 @@
+//! LoRA adapters: which request `model` names are adapters the workers serve, so that a request
+//! for one is hashed with the adapter's salt, as vLLM hashes it.
+//!
+//! vLLM keys every block of a LoRA request with the adapter's name (the first of each block's
+//! extra keys) and its KV events carry the name (`lora_name`), which the router's ingestion
+//! salts its re-hash with ([`kvroute::Salt::lora`]). A request must be hashed the same way, or it
+//! never hits its adapter's blocks (and, hashed as the base model, it would be scored on blocks
+//! the adapter cannot use). Nothing in a request says its model is an adapter rather than a base
+//! model, so the router learns the adapters two ways:
+//! - `--lora-modules NAME[,NAME]` (vLLM's `NAME=PATH` form accepted; the path is ignored), for
+//!   adapters known before any worker answers;
+//! - every worker's `/v1/models`, asked at start and every [`LEARN_EVERY`]: vLLM lists each
+//!   adapter it serves (from its own `--lora-modules` or loaded at run time with
+//!   `/v1/load_lora_adapter`) with the base model as its `parent`, base models with none.
+//!
+//! A model that is neither is hashed as a base model.
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use http_body_util::{BodyExt, Full};
+use kvroute::Salt;
+use serde_json::Value;
+
+use crate::state::{Server, Worker};
+
+/// How often the workers' `/v1/models` are asked for their adapters.
+pub const LEARN_EVERY: Duration = Duration::from_secs(2);
+
+/// The adapters a request's `model` may name.
+#[derive(Debug, Default)]
+pub struct Adapters {
+    configured: BTreeSet<String>,
+    learned: RwLock<BTreeSet<String>>,
+}
+
+impl Adapters {
+    /// The adapters of `--lora-modules` (`NAME` or `NAME=PATH` each).
+    pub fn new(configured: &[String]) -> Self {
+        Adapters {
+            configured: configured
+                .iter()
+                .map(|m| m.split_once('=').map_or(m.as_str(), |(n, _)| n).trim())
+                .filter(|n| !n.is_empty())
+                .map(str::to_string)
+                .collect(),
+            learned: RwLock::default(),
+        }
+    }
+
+    /// The salt of a request for `model`: the adapter's name if it is one, else none.
+    pub fn salt(&self, model: Option<&str>) -> Salt {
+        match model {
+            Some(m) if self.is_adapter(m) => Salt::lora(m),
+            _ => Salt::default(),
+        }
+    }
+
+    /// Whether `model` is a known adapter.
+    pub fn is_adapter(&self, model: &str) -> bool {
+        self.configured.contains(model)
+            || self
+                .learned
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains(model)
+    }
+
+    /// Every known adapter, sorted.
+    pub fn names(&self) -> Vec<String> {
+        let learned = self.learned.read().unwrap_or_else(|e| e.into_inner());
+        self.configured.union(&learned).cloned().collect()
+    }
+
+    /// Replaces the learned adapters with those `/v1/models` answers list (an adapter no
+    /// worker lists any more is forgotten). No answer at all keeps what was known.
+    pub fn learn<'a>(&self, answers: impl IntoIterator<Item = &'a Value>) {
+        let mut any = false;
+        let mut seen = BTreeSet::new();
+        for a in answers {
+            any = true;
+            seen.extend(listed(a).map(str::to_string));
+        }
+        if any {
+            *self.learned.write().unwrap_or_else(|e| e.into_inner()) = seen;
+        }
+    }
+}
+
+/// The adapters a `/v1/models` answer lists: the ids of entries with a string `parent`.
+///
+/// ```
+/// let v = serde_json::json!({"data": [{"id": "base", "parent": null},
+///                                     {"id": "my-lora", "parent": "base"}]});
+/// assert_eq!(kvserver::lora::listed(&v).collect::<Vec<_>>(), ["my-lora"]);
+/// ```
+pub fn listed(models: &Value) -> impl Iterator<Item = &str> {
+    models["data"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|m| m["parent"].is_string())
+        .filter_map(|m| m["id"].as_str())
+}
+
+/// A worker's `/v1/models` answer (within 2 s), if it gives one.
+pub(crate) async fn worker_models(server: &Server, w: &Worker) -> Option<Value> {
+    let req = hyper::Request::get(format!("{}/v1/models", w.spec.url))
+        .body(Full::new(Bytes::new()))
+        .ok()?;
+    let resp = tokio::time::timeout(Duration::from_secs(2), server.client.request(req))
+        .await
+        .ok()?
+        .ok()?;
+    if !resp.status().is_success() {
+        return None;
+    }
+    let body = resp.into_body().collect().await.ok()?.to_bytes();
+    serde_json::from_slice(&body).ok()
+}
+
+/// Learns the workers' adapters now and every [`LEARN_EVERY`].
+pub async fn watch(server: Arc<Server>) {
+    loop {
+        let mut answers = Vec::new();
+        for w in &server.workers() {
+            if let Some(v) = worker_models(&server, w).await {
+                answers.push(v);
+            }
+        }
+        server.lora.learn(&answers);
+        tokio::time::sleep(LEARN_EVERY).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn configured_and_learned_adapters_salt_their_requests() {
+        let a = Adapters::new(&["sql-lora=/adapters/sql".into(), " ".into()]);
+        assert_eq!(a.salt(Some("sql-lora")), Salt::lora("sql-lora"));
+        assert_eq!(a.salt(Some("base")), Salt::default());
+        assert_eq!(a.salt(None), Salt::default());
+        let v = serde_json::json!({"data": [{"id": "base", "parent": null},
+                                            {"id": "chat-lora", "parent": "base"}]});
+        a.learn([&v]);
+        assert_eq!(a.salt(Some("chat-lora")), Salt::lora("chat-lora"));
+        assert_eq!(a.names(), ["chat-lora", "sql-lora"]);
+        // No answer keeps what was learned; an answer without it forgets it.
+        a.learn([]);
+        assert!(a.is_adapter("chat-lora"));
+        a.learn([&serde_json::json!({"data": []})]);
+        assert!(!a.is_adapter("chat-lora") && a.is_adapter("sql-lora"));
+    }
+}
