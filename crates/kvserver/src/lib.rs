@@ -108,8 +108,16 @@ pub async fn serve(
             .map_err(bad)?;
         if on_nats {
             // The newest snapshot, then each worker's stream from the position it records.
-            if let Some((ids, mirror)) = nats::load_snapshot(&nats).await.map_err(bad)? {
-                server.restore(ids, mirror).map_err(bad)?;
+            // An unreadable snapshot costs time, not state: the stream is replayed from its
+            // start instead.
+            match nats::load_snapshot(&nats).await {
+                Ok(Some((ids, mirror))) => {
+                    if let Err(e) = server.restore(ids, mirror) {
+                        eprintln!("kvserver: snapshot not restored ({e}): replaying the stream from its start");
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => eprintln!("kvserver: {e}: replaying the stream from its start"),
             }
         }
         let _ = server.nats.set(nats);
