@@ -320,3 +320,36 @@ fn relay_and_nats_restarts_lose_nothing() {
     assert_eq!(s.metric("kvserver_kv_batches_rejected_total"), 0.0);
     drop(relayed);
 }
+
+/// A snapshot that does not read costs time, not state: the replica logs it, replays the stream
+/// from its start, and mirrors what a replica reading ZMQ directly mirrors.
+#[test]
+fn an_unreadable_snapshot_falls_back_to_the_whole_stream() {
+    let Some(nats) = Nats::start() else { return };
+    let e = engine();
+    let _relayed = relay(&e, &nats);
+    let zmq = Kvserver::start(&[&e], &[]);
+    for i in 0..8 {
+        send(&zmq, i);
+    }
+    let url = nats.url();
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let client = async_nats::connect(url.as_str()).await.unwrap();
+        let js = async_nats::jetstream::new(client);
+        let store = js
+            .create_object_store(async_nats::jetstream::object_store::Config {
+                bucket: kvserver::nats::SNAPSHOT_BUCKET.to_string(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        store
+            .put("mirror", &mut &b"{not a snapshot"[..])
+            .await
+            .unwrap();
+    });
+    let s = replica(free_port(), &[&e], &nats, &[]);
+    wait_agree(&zmq, &[&s]);
+    assert_eq!(s.metric("kvserver_snapshot_restored"), 0.0);
+    assert!(views(&s)[0].1 > 0);
+}
