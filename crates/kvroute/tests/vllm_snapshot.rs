@@ -224,6 +224,9 @@ fn bad_snapshots_are_errors_and_change_nothing() {
     let mut v = good.clone();
     v.version = 99;
     check(v, "version 99 (expected 1)");
+    let mut size = good.clone();
+    size.block_size = 16;
+    check(size, "block size 16 (the router's is 4)");
     let mut twice = good.clone();
     twice.feeds.push(twice.feeds[0].clone());
     check(twice, "has two feeds");

@@ -99,8 +99,9 @@ pub fn apply_batch(
         let r = m
             .ingest
             .apply_payload(&mut m.router, worker.id, Some(seq), payload);
-        if position.is_some() {
+        if position.is_some() && m.router.index().worker_index(worker.id).is_some() {
             // Consumed even when rejected: the stream moves past a batch that cannot apply.
+            // (Not for a worker removed meanwhile: its feed went with it.)
             m.ingest.set_position(worker.id, position);
         }
         r

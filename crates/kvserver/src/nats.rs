@@ -90,6 +90,20 @@ pub(crate) async fn events_stream(js: &jetstream::Context) -> Result<stream::Str
     .map_err(|e| format!("JetStream stream {STREAM}: {e} (is the server run with -js?)"))
 }
 
+/// The last message on `subject`: `None` when it has none; an error for anything else (the
+/// caller retries rather than take a failure for an empty subject).
+pub(crate) async fn last_on_subject(
+    stream: &stream::Stream,
+    subject: &str,
+) -> Result<Option<async_nats::jetstream::message::StreamMessage>, String> {
+    match stream.get_last_raw_message_by_subject(subject).await {
+        Ok(m) => Ok(Some(m)),
+        Err(e) if e.kind() == stream::LastRawMessageErrorKind::NoMessageFound => Ok(None),
+        Err(e) if e.to_string().contains("no message found") => Ok(None),
+        Err(e) => Err(format!("the last message of {subject}: {e}")),
+    }
+}
+
 /// A header's value as a number.
 pub(crate) fn header_u64(h: Option<&async_nats::HeaderMap>, name: &str) -> Option<u64> {
     h?.get(name)?.as_str().parse().ok()
@@ -119,8 +133,38 @@ async fn follow_once(
     nats: &Nats,
     subject: &str,
 ) -> Result<(), String> {
-    let stream = events_stream(&nats.js).await?;
-    let deliver_policy = match server.mirror().ingest.position(worker.id) {
+    let mut stream = events_stream(&nats.js).await?;
+    let last = stream
+        .info()
+        .await
+        .map_err(|e| e.to_string())?
+        .state
+        .last_sequence;
+    let mut position = server.mirror().ingest.position(worker.id);
+    if position.is_some_and(|p| p > last) {
+        // The stream is younger than the mirror (it was deleted, or NATS lost its store):
+        // what the mirror holds cannot be followed; start it afresh from the new stream.
+        eprintln!(
+            "kvserver: the events stream ends before worker {}'s position: its mirror starts afresh",
+            worker.spec.name
+        );
+        let mut m = server.mirror();
+        let m = &mut *m;
+        m.router.clear_worker(worker.id);
+        m.ingest.forget_worker(worker.id);
+        position = None;
+    }
+    // The publisher run of the last batch applied, so that a stored duplicate is dropped and
+    // a new run starts the mirror afresh.
+    let mut epoch = match position {
+        Some(p) => stream
+            .get_raw_message(p)
+            .await
+            .ok()
+            .and_then(|m| header_u64(Some(&m.headers), EPOCH_HEADER)),
+        None => None,
+    };
+    let deliver_policy = match position {
         Some(p) => consumer::DeliverPolicy::ByStartSequence {
             start_sequence: p + 1,
         },
@@ -141,8 +185,30 @@ async fn follow_once(
             Ok(i) => (i.stream_sequence, i.pending),
             Err(e) => return Err(format!("a message without its stream position: {e}")),
         };
+        let run = header_u64(msg.headers.as_ref(), EPOCH_HEADER).unwrap_or(0);
         match header_u64(msg.headers.as_ref(), SEQ_HEADER) {
+            Some(seq) if is_duplicate(server, worker, epoch, run, seq) => {
+                // Stored twice (a relay retried after JetStream's de-duplication window): the
+                // batch was applied already.
+                server
+                    .counters
+                    .batches_rejected
+                    .fetch_add(1, Ordering::Relaxed);
+                server
+                    .mirror()
+                    .ingest
+                    .set_position(worker.id, Some(position));
+            }
             Some(seq) => {
+                if epoch.is_some_and(|e| run > e) && seq != 0 {
+                    // A new publisher run whose batch 0 the relay could not replay.
+                    let mut m = server.mirror();
+                    let m = &mut *m;
+                    m.router.clear_worker(worker.id);
+                    m.ingest.forget_worker(worker.id);
+                    server.counters.restarts.fetch_add(1, Ordering::Relaxed);
+                }
+                epoch = Some(run);
                 apply_batch(server, worker, seq, &msg.payload, Some(position));
             }
             None => {
@@ -164,6 +230,16 @@ async fn follow_once(
         }
     }
     Err("the consumer ended".to_string())
+}
+
+/// Whether batch `seq` of publisher run `run` is older than what the mirror applied (run
+/// `epoch`, up to its next expected number).
+fn is_duplicate(server: &Server, worker: &Worker, epoch: Option<u64>, run: u64, seq: u64) -> bool {
+    match epoch {
+        Some(e) if run < e => true,
+        Some(e) if run == e => seq < server.mirror().ingest.next_seq(worker.id),
+        _ => false,
+    }
 }
 
 /// The newest snapshot in the object store, if any: (worker ids by name, the mirror).
@@ -219,15 +295,8 @@ pub(crate) async fn snapshot_loop(server: Arc<Server>, every: u64) {
 }
 
 async fn save_snapshot(server: &Server, nats: &Nats) -> Result<usize, String> {
-    let stored = {
-        // One lock for both, so the ids are those the mirror uses.
-        let workers = server.worker_ids();
-        let m = server.mirror();
-        Stored {
-            workers,
-            mirror: m.ingest.snapshot(&m.router),
-        }
-    };
+    let (workers, mirror) = server.snapshot_state();
+    let stored = Stored { workers, mirror };
     let bytes = serde_json::to_vec(&stored).map_err(|e| e.to_string())?;
     let store = match nats.js.get_object_store(SNAPSHOT_BUCKET).await {
         Ok(s) => s,
@@ -358,14 +427,28 @@ pub(crate) async fn catch_up(server: &Server, nats: &Nats) -> Result<Duration, S
     let started = Instant::now();
     let stream = events_stream(&nats.js).await?;
     for w in server.workers() {
-        let last = stream
-            .get_last_raw_message_by_subject(&subject_of(&w.spec.name))
-            .await
-            .ok()
-            .map(|m| m.sequence);
+        let subject = subject_of(&w.spec.name);
+        let last = loop {
+            match last_on_subject(&stream, &subject).await {
+                Ok(m) => break m.map(|m| m.sequence),
+                Err(e) => {
+                    eprintln!("kvserver: catching up: {e} (retrying)");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            }
+        };
         let done =
             || w.caught_up.load(Ordering::Relaxed) || server.mirror().ingest.position(w.id) >= last;
+        let mut waited = Instant::now();
         while !done() {
+            if waited.elapsed() >= Duration::from_secs(5) {
+                eprintln!(
+                    "kvserver: still catching up with worker {}'s events (at {:?} of {last:?})",
+                    w.spec.name,
+                    server.mirror().ingest.position(w.id)
+                );
+                waited = Instant::now();
+            }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }

@@ -18,7 +18,9 @@ use zeromq::{Socket, SocketRecv};
 
 use crate::config::RelayArgs;
 use crate::events::fetch_replay;
-use crate::nats::{connect, events_stream, header_u64, subject_of, Nats, EPOCH_HEADER, SEQ_HEADER};
+use crate::nats::{
+    connect, events_stream, header_u64, last_on_subject, subject_of, Nats, EPOCH_HEADER, SEQ_HEADER,
+};
 
 /// Where the relay is in the engine's stream: the publisher's run and the last batch
 /// published.
@@ -33,16 +35,27 @@ pub async fn run(
     args: RelayArgs,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), String> {
-    let nats = connect(&args.nats_url, Duration::from_secs(30)).await?;
-    let stream = events_stream(&nats.js).await?;
+    let flag = |e: String| format!("--nats-url {}: {e}", args.nats_url);
+    let nats = connect(&args.nats_url, Duration::from_secs(30))
+        .await
+        .map_err(flag)?;
+    let stream = events_stream(&nats.js).await.map_err(flag)?;
     let subject = subject_of(&args.worker.name);
-    let mut at = match stream.get_last_raw_message_by_subject(&subject).await {
-        Ok(m) => Some(Published {
-            epoch: header_u64(Some(&m.headers), EPOCH_HEADER).unwrap_or(0),
-            seq: header_u64(Some(&m.headers), SEQ_HEADER).unwrap_or(0),
-        }),
-        Err(_) => None,
+    // Where this worker's stream is; an error is retried, never taken for an empty subject
+    // (which would publish the engine's batches again as a new run).
+    let last = loop {
+        match last_on_subject(&stream, &subject).await {
+            Ok(m) => break m,
+            Err(e) => {
+                eprintln!("kvserver relay: {e} (retrying)");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
     };
+    let mut at = last.map(|m| Published {
+        epoch: header_u64(Some(&m.headers), EPOCH_HEADER).unwrap_or(0),
+        seq: header_u64(Some(&m.headers), SEQ_HEADER).unwrap_or(0),
+    });
     let events = args.worker.events.clone().unwrap_or_default();
     eprintln!(
         "kvserver relay: {events} -> {subject} (last published: {})",
@@ -149,6 +162,8 @@ async fn publish(nats: &Nats, subject: &str, epoch: u64, seq: u64, payload: Byte
                 eprintln!("kvserver relay: batch {seq} not stored yet: {e} (retrying)");
                 tokio::time::sleep(wait).await;
                 wait = (wait * 2).min(Duration::from_secs(2));
+                // The stream may be gone (deleted, or a NATS server that lost its store).
+                let _ = events_stream(&nats.js).await;
             }
         }
     }

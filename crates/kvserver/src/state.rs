@@ -212,7 +212,9 @@ impl Server {
             next_worker: AtomicU64::new(0),
             text,
             counters: Counters::default(),
-            next_request: AtomicU64::new(1),
+            // A run's request ids never repeat an earlier run's: other replicas remember a
+            // replica's finished ids for a while, and would ignore a restarted one's.
+            next_request: AtomicU64::new(first_request_id()),
             client,
             replica,
             deltas: OnceLock::new(),
@@ -246,11 +248,27 @@ impl Server {
         for w in m.router.workers() {
             m.router.set_routable(w, false);
         }
-        let next = ids.values().map(|w| w.get() + 1).max().unwrap_or(0);
+        // Above every id the snapshot holds, named or not, so that none is given to another.
+        let next = ids
+            .values()
+            .copied()
+            .chain(m.router.workers())
+            .map(|w| w.get() + 1)
+            .max()
+            .unwrap_or(0);
         self.next_worker.fetch_max(next, Ordering::Relaxed);
         *self.known.lock().unwrap_or_else(|e| e.into_inner()) = ids;
         self.counters.restored.store(1, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// The mirror's snapshot and the names of the ids it uses, taken together (the workers'
+    /// lock, then the mirror's, as `add_worker` takes them).
+    pub fn snapshot_state(&self) -> (BTreeMap<String, WorkerId>, kvroute::vllm::MirrorSnapshot) {
+        let list = self.workers.read().unwrap_or_else(|e| e.into_inner());
+        let ids = list.iter().map(|w| (w.spec.name.clone(), w.id)).collect();
+        let m = self.mirror();
+        (ids, m.ingest.snapshot(&m.router))
     }
 
     /// Router ids by worker name, for snapshots.
@@ -464,4 +482,11 @@ fn default_replica_id() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64);
     nanos ^ (u64::from(std::process::id()) << 40)
+}
+
+/// The first request id of this run: the time in nanoseconds (at least 1).
+fn first_request_id() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| (d.as_nanos() as u64).max(1))
 }

@@ -59,6 +59,9 @@ pub const MIRROR_SNAPSHOT_VERSION: u32 = 1;
 pub struct MirrorSnapshot {
     /// The format version ([`MIRROR_SNAPSHOT_VERSION`]).
     pub version: u32,
+    /// The router's block size, tokens: our hashes depend on it, so a router of another size
+    /// cannot use them.
+    pub block_size: usize,
     /// The router's cache index.
     pub index: IndexSnapshot,
     /// One entry per worker with a feed, in worker-id order.
@@ -102,13 +105,16 @@ impl VllmIngest {
 
     /// A snapshot of `router`'s index and of this adapter's feeds (see [`MirrorSnapshot`]).
     pub fn snapshot(&self, router: &Router) -> MirrorSnapshot {
+        // Only the router's workers: a feed left by a worker removed meanwhile mirrors nothing.
         let feeds = self
             .workers()
             .into_iter()
+            .filter(|&w| router.index().worker_index(w).is_some())
             .filter_map(|w| self.feed(w).map(|f| f.snapshot(w)))
             .collect();
         MirrorSnapshot {
             version: MIRROR_SNAPSHOT_VERSION,
+            block_size: router.block_size().get(),
             index: router.snapshot_index(),
             feeds,
         }
@@ -116,14 +122,21 @@ impl VllmIngest {
 
     /// Restores `snapshot` into `router` ([`Router::restore_index`]: meant for a router that
     /// is starting) and returns the adapter that goes with it. An unknown version, a feed listed
-    /// twice, a feed of a worker the index does not list, or an engine hash listed twice is an
-    /// error, and then `router` is unchanged.
+    /// twice, a feed of a worker the index does not list, an engine hash listed twice, or a block
+    /// size other than the router's is an error, and then `router` is unchanged.
     pub fn restore(router: &mut Router, snapshot: MirrorSnapshot) -> Result<VllmIngest, VllmError> {
         let bad = |why: String| VllmError::BadSnapshot { why };
         if snapshot.version != MIRROR_SNAPSHOT_VERSION {
             return Err(bad(format!(
                 "version {} (expected {MIRROR_SNAPSHOT_VERSION})",
                 snapshot.version
+            )));
+        }
+        if snapshot.block_size != router.block_size().get() {
+            return Err(bad(format!(
+                "block size {} (the router's is {})",
+                snapshot.block_size,
+                router.block_size().get()
             )));
         }
         let mut ingest = VllmIngest::new();
