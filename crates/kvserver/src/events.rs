@@ -21,17 +21,24 @@ pub async fn follow(server: Arc<Server>, worker: Arc<Worker>) {
         return;
     };
     loop {
-        let mut sub = zeromq::SubSocket::new();
-        let connected = tokio::time::timeout(Duration::from_secs(5), sub.connect(&endpoint)).await;
-        if !matches!(connected, Ok(Ok(()))) || sub.subscribe("").await.is_err() {
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            continue;
-        }
+        let mut sub = subscribe(&endpoint).await;
         while let Ok(msg) = sub.recv().await {
             let frames = msg.into_vec();
             on_message(&server, &worker, &frames).await;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A SUB socket subscribed to everything `endpoint` publishes, retried until it connects.
+pub async fn subscribe(endpoint: &str) -> zeromq::SubSocket {
+    loop {
+        let mut sub = zeromq::SubSocket::new();
+        let connected = tokio::time::timeout(Duration::from_secs(5), sub.connect(endpoint)).await;
+        if matches!(connected, Ok(Ok(()))) && sub.subscribe("").await.is_ok() {
+            return sub;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
 

@@ -190,14 +190,7 @@ async fn follow_once(
             Some(seq) if is_duplicate(server, worker, epoch, run, seq) => {
                 // Stored twice (a relay retried after JetStream's de-duplication window): the
                 // batch was applied already.
-                server
-                    .counters
-                    .batches_rejected
-                    .fetch_add(1, Ordering::Relaxed);
-                server
-                    .mirror()
-                    .ingest
-                    .set_position(worker.id, Some(position));
+                skip(server, worker, position);
             }
             Some(seq) => {
                 if epoch.is_some_and(|e| run > e) && seq != 0 {
@@ -212,14 +205,7 @@ async fn follow_once(
                 apply_batch(server, worker, seq, &msg.payload, Some(position));
             }
             None => {
-                server
-                    .counters
-                    .batches_rejected
-                    .fetch_add(1, Ordering::Relaxed);
-                server
-                    .mirror()
-                    .ingest
-                    .set_position(worker.id, Some(position));
+                skip(server, worker, position);
                 eprintln!(
                     "kvserver: message {position} of {subject} has no {SEQ_HEADER} header: skipped"
                 );
@@ -230,6 +216,18 @@ async fn follow_once(
         }
     }
     Err("the consumer ended".to_string())
+}
+
+/// Counts the message at `position` as rejected and moves past it.
+fn skip(server: &Server, worker: &Worker, position: u64) {
+    server
+        .counters
+        .batches_rejected
+        .fetch_add(1, Ordering::Relaxed);
+    server
+        .mirror()
+        .ingest
+        .set_position(worker.id, Some(position));
 }
 
 /// Whether batch `seq` of publisher run `run` is older than what the mirror applied (run

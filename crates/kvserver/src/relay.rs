@@ -14,10 +14,10 @@ use std::time::Duration;
 use async_nats::HeaderMap;
 use bytes::Bytes;
 use kvroute::vllm::parse_seq_frame;
-use zeromq::{Socket, SocketRecv};
+use zeromq::SocketRecv;
 
 use crate::config::RelayArgs;
-use crate::events::fetch_replay;
+use crate::events::{fetch_replay, subscribe};
 use crate::nats::{
     connect, events_stream, header_u64, last_on_subject, subject_of, Nats, EPOCH_HEADER, SEQ_HEADER,
 };
@@ -66,12 +66,7 @@ pub async fn run(
     );
     let work = async {
         loop {
-            let mut sub = zeromq::SubSocket::new();
-            let ok = tokio::time::timeout(Duration::from_secs(5), sub.connect(&events)).await;
-            if !matches!(ok, Ok(Ok(()))) || sub.subscribe("").await.is_err() {
-                tokio::time::sleep(Duration::from_millis(500)).await;
-                continue;
-            }
+            let mut sub = subscribe(&events).await;
             while let Ok(msg) = sub.recv().await {
                 let frames = msg.into_vec();
                 let [_, seq, payload] = &frames[..] else {
