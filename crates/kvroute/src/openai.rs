@@ -89,25 +89,15 @@ impl ChatMessage {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Part {
-    /// A `text` part (also `input_text`, and a `refusal`'s text).
+    /// A `text` part (also `input_text`, `output_text`, a bare string in the list, and a
+    /// `refusal`'s text).
     Text(String),
-    /// An image, audio or video part, by its `type` (`image_url`, `input_audio`, ...). Its data
-    /// is not kept: the router cannot hash it (see the README's kvserver section).
+    /// An image, audio or video part, by its `type` (`image_url`, `input_audio`, ...), or a part
+    /// of any other type the router does not read (`thinking`, `prompt_embeds`, ...). Its data
+    /// is not kept: the router cannot hash it, so the routable prompt ends before it (see the
+    /// README's kvserver section).
     Media(String),
 }
-
-/// The part types that carry media, as vLLM's chat parser names them.
-const MEDIA_TYPES: [&str; 9] = [
-    "image_url",
-    "image_embeds",
-    "image_pil",
-    "input_image",
-    "audio_url",
-    "input_audio",
-    "audio_embeds",
-    "video_url",
-    "file",
-];
 
 /// The routing-relevant fields of an OpenAI request body.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -256,9 +246,12 @@ fn prompt(req: &Map<String, Value>) -> Result<Input, RequestError> {
 }
 
 fn part(at: String, p: &Value) -> Result<Part, RequestError> {
-    const EXPECTED: &str = "a text part or an image, audio or video part";
-    let Value::Object(o) = p else {
-        return Err(wrong(at, EXPECTED, p));
+    const EXPECTED: &str = "a string or a content part object";
+    let o = match p {
+        // vLLM reads a bare string in a content list as a text part.
+        Value::String(t) => return Ok(Part::Text(t.clone())),
+        Value::Object(o) => o,
+        _ => return Err(wrong(at, EXPECTED, p)),
     };
     let text = |key: &str| match o.get(key) {
         Some(Value::String(t)) => Ok(Part::Text(t.clone())),
@@ -271,16 +264,12 @@ fn part(at: String, p: &Value) -> Result<Part, RequestError> {
     match o.get("type") {
         // A part without a type is a text part (vLLM reads `{"text": ...}` as one).
         None | Some(Value::Null) => text("text"),
-        Some(tv @ Value::String(t)) => match t.as_str() {
-            "text" | "input_text" => text("text"),
+        Some(Value::String(t)) => match t.as_str() {
+            "text" | "input_text" | "output_text" => text("text"),
             "refusal" => text("refusal"),
-            t if MEDIA_TYPES.contains(&t) => Ok(Part::Media(t.to_string())),
-            _ => Err(wrong(
-                format!("{at}.type"),
-                "text, input_text, refusal, image_url, image_embeds, input_image, audio_url, \
-                 input_audio, audio_embeds, video_url or file",
-                tv,
-            )),
+            // Media, and any part type the router does not read: the engine may accept it,
+            // so it is forwarded, and the routable prompt ends before it.
+            t => Ok(Part::Media(t.to_string())),
         },
         Some(v) => Err(wrong(format!("{at}.type"), "a string", v)),
     }
@@ -525,11 +514,18 @@ mod tests {
             err(chat, r#"{"messages": [{"content": "x"}]}"#),
             "missing field `messages[0].role`: expected a string"
         );
+        // A part type the router does not read ends the routable prompt; a bare string is text.
+        let r = parse(
+            chat,
+            br#"{"messages": [{"role": "user", "content": ["a", {"type": "output_text", "text": "b"}, {"type": "thinking", "thinking": "c"}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(r.first_media_message(), Some(0));
         assert!(err(
             chat,
-            r#"{"messages": [{"role": "user", "content": [{"type": "holo"}]}]}"#
+            r#"{"messages": [{"role": "user", "content": [{"type": 3}]}]}"#
         )
-        .starts_with(r#"messages[0].content[0].type: expected text, input_text"#));
+        .starts_with("messages[0].content[0].type: expected a string"));
     }
 
     #[test]

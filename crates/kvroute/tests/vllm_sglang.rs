@@ -135,3 +135,24 @@ fn a_malformed_metadata_map_is_an_error_naming_it() {
     );
     assert_eq!(router.cache_view(W0), 0);
 }
+
+/// vLLM (no metadata) keying block 0 with a client's `cache_salt` that happens to start like
+/// SGLang's repeated salt: an ordinary key, matched by a request with that whole salt.
+#[test]
+fn a_vllm_salt_that_looks_like_sglangs_is_kept_whole() {
+    let salt = "dynamo-cache-salt:t";
+    let mut st = kvroute::vllm::BlockStored::new(
+        vec![EngineHash::Int(1)],
+        None,
+        (0..BS as u32).collect(),
+        BS as u64,
+    );
+    st.extra_keys = vec![Some(vec![KeyValue::Str(salt.into())])];
+    let batch = kvroute::vllm::EventBatch::new(0.0, vec![EngineEvent::BlockStored(st)]);
+    let mut router = router();
+    VllmIngest::new()
+        .apply_batch(&mut router, W0, Some(0), &batch)
+        .unwrap();
+    assert_eq!(hits(&mut router, 16, Some(salt)), 1);
+    assert_eq!(hits(&mut router, 16, Some("t")), 0);
+}

@@ -112,7 +112,7 @@ pub struct Config {
     /// LoRA adapters the workers serve (vLLM's NAME=PATH form accepted, the path ignored): a
     /// request whose model names one is hashed with the adapter's name, as vLLM hashes it.
     /// Adapters the workers list in /v1/models (with a parent) are learned as well, every 2 s.
-    #[arg(long, num_args = 1.., value_delimiter = ',', value_name = "NAME[=PATH]")]
+    #[arg(long, num_args = 1.., value_delimiter = ',', value_name = "NAME[=PATH]", value_parser = parse_lora_module)]
     pub lora_modules: Vec<String>,
     /// A sidecar instead of the server (`kvserver relay --help`).
     #[command(subcommand)]
@@ -210,6 +210,15 @@ impl From<PolicyName> for kvroute::Policy {
             PolicyName::Random => kvroute::Policy::Random,
         }
     }
+}
+
+fn parse_lora_module(s: &str) -> Result<String, String> {
+    if s.contains(['{', '}', '"']) {
+        return Err(format!(
+            "{s:?}: expected NAME or NAME=PATH (vLLM's JSON form is not read here: give the adapters' names)"
+        ));
+    }
+    Ok(s.to_string())
 }
 
 fn parse_timeout(s: &str) -> Result<f64, String> {

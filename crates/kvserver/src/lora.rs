@@ -15,7 +15,7 @@
 //!
 //! A model that is neither is hashed as a base model.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -33,7 +33,8 @@ pub const LEARN_EVERY: Duration = Duration::from_secs(2);
 #[derive(Debug, Default)]
 pub struct Adapters {
     configured: BTreeSet<String>,
-    learned: RwLock<BTreeSet<String>>,
+    /// By worker name: the adapters its last answer listed.
+    learned: RwLock<BTreeMap<String, BTreeSet<String>>>,
 }
 
 impl Adapters {
@@ -65,27 +66,32 @@ impl Adapters {
                 .learned
                 .read()
                 .unwrap_or_else(|e| e.into_inner())
-                .contains(model)
+                .values()
+                .any(|s| s.contains(model))
     }
 
     /// Every known adapter, sorted.
     pub fn names(&self) -> Vec<String> {
         let learned = self.learned.read().unwrap_or_else(|e| e.into_inner());
-        self.configured.union(&learned).cloned().collect()
+        let mut all = self.configured.clone();
+        all.extend(learned.values().flatten().cloned());
+        all.into_iter().collect()
     }
 
-    /// Replaces the learned adapters with those `/v1/models` answers list (an adapter no
-    /// worker lists any more is forgotten). No answer at all keeps what was known.
-    pub fn learn<'a>(&self, answers: impl IntoIterator<Item = &'a Value>) {
-        let mut any = false;
-        let mut seen = BTreeSet::new();
-        for a in answers {
-            any = true;
-            seen.extend(listed(a).map(str::to_string));
+    /// Learns from one round of `/v1/models` answers, one per current worker by name (`None`:
+    /// it did not answer). A worker that answered is known to serve what it lists; one that did
+    /// not keeps what it listed before (a missed poll must not hash its adapters' requests as
+    /// the base model's); a worker no longer listed is forgotten.
+    pub fn learn<'a>(&self, answers: impl IntoIterator<Item = (&'a str, Option<&'a Value>)>) {
+        let mut learned = self.learned.write().unwrap_or_else(|e| e.into_inner());
+        let mut present = BTreeSet::new();
+        for (worker, answer) in answers {
+            present.insert(worker.to_string());
+            if let Some(a) = answer {
+                learned.insert(worker.to_string(), listed(a).map(str::to_string).collect());
+            }
         }
-        if any {
-            *self.learned.write().unwrap_or_else(|e| e.into_inner()) = seen;
-        }
+        learned.retain(|w, _| present.contains(w));
     }
 }
 
@@ -126,11 +132,11 @@ pub async fn watch(server: Arc<Server>) {
     loop {
         let mut answers = Vec::new();
         for w in &server.workers() {
-            if let Some(v) = worker_models(&server, w).await {
-                answers.push(v);
-            }
+            answers.push((w.spec.name.clone(), worker_models(&server, w).await));
         }
-        server.lora.learn(&answers);
+        server
+            .lora
+            .learn(answers.iter().map(|(n, a)| (n.as_str(), a.as_ref())));
         tokio::time::sleep(LEARN_EVERY).await;
     }
 }
@@ -147,13 +153,18 @@ mod tests {
         assert_eq!(a.salt(None), Salt::default());
         let v = serde_json::json!({"data": [{"id": "base", "parent": null},
                                             {"id": "chat-lora", "parent": "base"}]});
-        a.learn([&v]);
+        let none = serde_json::json!({"data": []});
+        a.learn([("w0", Some(&v)), ("w1", Some(&none))]);
         assert_eq!(a.salt(Some("chat-lora")), Salt::lora("chat-lora"));
         assert_eq!(a.names(), ["chat-lora", "sql-lora"]);
-        // No answer keeps what was learned; an answer without it forgets it.
-        a.learn([]);
+        // A worker that misses a poll keeps what it listed; one that answers without it, or
+        // leaves, forgets it.
+        a.learn([("w0", None), ("w1", Some(&none))]);
         assert!(a.is_adapter("chat-lora"));
-        a.learn([&serde_json::json!({"data": []})]);
+        a.learn([("w0", Some(&none)), ("w1", None)]);
         assert!(!a.is_adapter("chat-lora") && a.is_adapter("sql-lora"));
+        a.learn([("w0", Some(&v))]);
+        a.learn([("w1", None)]);
+        assert!(!a.is_adapter("chat-lora"));
     }
 }

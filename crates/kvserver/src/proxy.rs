@@ -426,18 +426,21 @@ async fn models(State(server): State<Arc<Server>>) -> Response {
     let mut seen = std::collections::BTreeMap::new();
     let mut answers = Vec::new();
     for w in &server.workers() {
-        if let Some(v) = crate::lora::worker_models(&server, w).await {
-            answers.push(v);
-        }
+        answers.push((
+            w.spec.name.clone(),
+            crate::lora::worker_models(&server, w).await,
+        ));
     }
-    for v in &answers {
+    server
+        .lora
+        .learn(answers.iter().map(|(n, a)| (n.as_str(), a.as_ref())));
+    for v in answers.iter().filter_map(|(_, a)| a.as_ref()) {
         for m in v["data"].as_array().into_iter().flatten() {
             if let Some(id) = m["id"].as_str() {
                 seen.entry(id.to_string()).or_insert_with(|| m.clone());
             }
         }
     }
-    server.lora.learn(&answers);
     let data: Vec<Value> = seen.into_values().collect();
     axum::Json(json!({"object": "list", "data": data})).into_response()
 }

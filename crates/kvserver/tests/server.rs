@@ -246,6 +246,10 @@ fn bad_flags_exit_2_naming_the_flag() {
             "expected zmq or nats",
         ),
         (&["--remote-load-ttl-s", "0"][..], "--remote-load-ttl-s"),
+        (
+            &["--lora-modules", r#"{"name":"a","path":"/p"}"#][..],
+            "--lora-modules",
+        ),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_kvserver"))
             .args(args)

@@ -629,7 +629,11 @@ fn block_keys(st: &BlockStored, i: usize) -> ExtraKeys {
     let mut keys = ExtraKeys::new();
     for v in values {
         match v {
-            KeyValue::Str(s) if s.starts_with(SGLANG_CACHE_SALT_PREFIX) => {
+            // SGLang's layout repeats its metadata's salt here; a vLLM key that merely starts
+            // so (a client's own cache_salt) is an ordinary key.
+            KeyValue::Str(s)
+                if st.cache_salt.is_some() && s.starts_with(SGLANG_CACHE_SALT_PREFIX) =>
+            {
                 salt = salt.or(s.get(SGLANG_CACHE_SALT_PREFIX.len()..));
             }
             v => v.push_onto(&mut keys),

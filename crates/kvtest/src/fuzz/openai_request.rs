@@ -219,16 +219,21 @@ fn agrees(endpoint: Endpoint, r: &Request, m: &Map<String, Value>) {
                         let mut texts = Vec::new();
                         let mut media = false;
                         for p in parts {
+                            if let Value::String(t) = p {
+                                texts.push(t.as_str());
+                                continue;
+                            }
+                            // The text field of a text part; None for any other part.
                             let field = match p.get("type").filter(|t| !t.is_null()) {
-                                None => "text",
+                                None => Some("text"),
                                 Some(t) => match t.as_str().expect("a string type") {
-                                    "text" | "input_text" => "text",
-                                    "refusal" => "refusal",
-                                    _ => "",
+                                    "text" | "input_text" | "output_text" => Some("text"),
+                                    "refusal" => Some("refusal"),
+                                    _ => None,
                                 },
                             };
-                            match p.get(field).and_then(Value::as_str) {
-                                Some(t) => texts.push(t),
+                            match field {
+                                Some(f) => texts.push(p[f].as_str().expect("a text part's text")),
                                 None => media = true,
                             }
                         }
