@@ -61,8 +61,8 @@ pub struct Config {
     #[arg(long, default_value = "nats://127.0.0.1:4222", value_name = "URL")]
     pub nats_url: String,
     /// Share in-flight load with the other replicas over NATS (subject kvkit.load.*): each
-    /// replica publishes its routes and finishes and counts the others' for up to
-    /// --remote-load-ttl-s.
+    /// replica publishes its routes, first tokens and finishes and counts the others' (a
+    /// request whose finish never comes, for up to --remote-load-ttl-s).
     #[arg(long)]
     pub router_replica_sync: bool,
     /// This replica's id among those that sync [default: one made from the process and the
@@ -73,8 +73,8 @@ pub struct Config {
     #[arg(long, default_value_t = 600.0, value_name = "SECONDS", value_parser = parse_timeout)]
     pub remote_load_ttl_s: f64,
     /// --kv-event-transport nats: store a snapshot of the mirror (with each worker's stream
-    /// position) in the JetStream object store kvkit-snapshots after this many batches, and
-    /// start from the newest one (0: never).
+    /// position) in the JetStream object store kvkit-snapshots after this many batches (0:
+    /// never). A starting replica restores the newest one stored, either way.
     #[arg(long, default_value_t = 10_000, value_name = "BATCHES")]
     pub snapshot_every: u64,
     /// How requests are forwarded: http.
@@ -165,7 +165,14 @@ const EXAMPLES: &str = "Examples:
     --worker http://127.0.0.1:30000,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558 \\
     --worker http://127.0.0.1:30001,events=tcp://127.0.0.1:5567,replay=tcp://127.0.0.1:5568
   curl localhost:8000/v1/completions -d '{\"prompt\": [1, 2, 3], \"max_tokens\": 4}'
-  curl localhost:8000/v1/admin/cache-view/127.0.0.1:30000";
+  curl localhost:8000/v1/admin/cache-view/127.0.0.1:30000
+
+  # replicas that share events and load through NATS (nats-server -js), a relay per engine
+  kvserver relay --worker http://127.0.0.1:30000,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558 &
+  kvserver --port 8000 --kv-event-transport nats --router-replica-sync --replica-id 1 \\
+    --worker http://127.0.0.1:30000 &
+  kvserver --port 8001 --kv-event-transport nats --router-replica-sync --replica-id 2 \\
+    --worker http://127.0.0.1:30000";
 
 impl Default for Config {
     fn default() -> Self {
