@@ -9,12 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 batches="${1:-20000}"
 cargo build --release -q -p kvserver --bin kvserver --example event_flood
-bin=target/release
-work=$(mktemp -d)
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done; pids=(); }
-trap 'cleanup; rm -rf "$work"' EXIT
-wait_http() { for _ in $(seq 200); do curl -sf "localhost:$1/health" >/dev/null && return; sleep 0.05; done; echo "port $1 never answered" >&2; exit 1; }
+. benches/live/common.sh
 applied() { curl -s "localhost:18100/metrics" | awk '$1 == "kvserver_kv_batches_applied_total" { print $2 }'; }
 
 measure() {

@@ -18,12 +18,7 @@ if [ -n "$trace" ]; then
     bs=512
 fi
 cargo build --release -q -p kvmock -p kvserver -p kvsim-cli
-bin=target/release
-work=$(mktemp -d)
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done; pids=(); }
-trap 'cleanup; rm -rf "$work"' EXIT
-wait_http() { for _ in $(seq 200); do curl -sf "localhost:$1/health" >/dev/null && return; sleep 0.05; done; echo "port $1 never answered" >&2; exit 1; }
+. benches/live/common.sh
 row() {
     python3 - "$1" "$2" <<'PY'
 import json, sys

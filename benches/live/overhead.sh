@@ -7,11 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 runs="${1:-2}"
 cargo build --release -q -p kvmock -p kvserver
-bin=target/release
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done; pids=(); }
-trap cleanup EXIT
-wait_http() { for _ in $(seq 200); do curl -sf "localhost:$1/health" >/dev/null && return; sleep 0.05; done; echo "port $1 never answered" >&2; exit 1; }
+. benches/live/common.sh
 
 "$bin/kvmock" --host 127.0.0.1 --port 31200 --speedup 1000 --enable-kv-events \
     --kv-events-config '{"publisher":"zmq","endpoint":"tcp://127.0.0.1:15200","replay_endpoint":"tcp://127.0.0.1:15201"}' \

@@ -9,12 +9,7 @@ cd "$(dirname "$0")/../.."
 n="${1:-500}"
 shift || true
 cargo build --release -q -p kvmock -p kvserver
-bin=target/release
-work=$(mktemp -d)
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done; pids=(); }
-trap 'cleanup; rm -rf "$work"' EXIT
-wait_http() { for _ in $(seq 200); do curl -sf "localhost:$1/health" >/dev/null && return; sleep 0.05; done; echo "port $1 never answered" >&2; exit 1; }
+. benches/live/common.sh
 metric() { curl -s "localhost:$1/metrics" | awk -v m="$2" '$1 == m || index($1, m "{") == 1 { print $2 }'; }
 
 run() {

@@ -59,12 +59,7 @@ fn a_chat_with_an_image_routes_on_the_text_before_its_message() {
     let (s, body) = server.post("/v1/chat/completions", &chat(json!("hello")));
     assert_eq!(s, 200, "{body}");
     assert_eq!(server.metric("kvserver_request_blocks_total"), 5.0);
-    let first = server
-        .routed()
-        .into_iter()
-        .find(|(_, n)| *n == 1)
-        .map(|(w, _)| w)
-        .unwrap();
+    let first = server.routed_once();
     server.wait_blocks(&first, 5);
 
     // With an image in the user message, only "<s> system : one ... twelve user :" (17 tokens)

@@ -175,6 +175,15 @@ impl Kvserver {
         }
     }
 
+    /// The worker that has served exactly one request (the first routed one).
+    pub fn routed_once(&self) -> String {
+        self.routed()
+            .into_iter()
+            .find(|(_, n)| *n == 1)
+            .map(|(w, _)| w)
+            .expect("a worker that served one request")
+    }
+
     pub fn routed(&self) -> Vec<(String, u64)> {
         let v = self.get_json("/v1/admin/workers");
         v["workers"]
