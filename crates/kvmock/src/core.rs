@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use kvblock::{BlockHash, BlockHasher, BlockSize};
-use kvcache::KvEvent;
+use kvcache::{FixedState, KvEvent};
 use kvroute::vllm::{BlockRemoved, BlockStored, EngineEvent, EngineHash, KeyValue};
 use kvsim::{Engine, EngineConfig, EngineRequest, LinearTiming, Outcome};
 
@@ -107,6 +107,7 @@ pub struct Lora {
 #[derive(Debug)]
 struct BlockInfo {
     engine_hash: u64,
+    /// Empty unless the engine publishes events (only events need them).
     tokens: Box<[u32]>,
     /// The adapter whose blocks these are (every block of a chain has its first block's).
     lora: Option<Lora>,
@@ -131,8 +132,8 @@ pub struct Core {
     hasher: BlockHasher,
     now_us: u64,
     step_end: Option<u64>,
-    blocks: HashMap<BlockHash, BlockInfo>,
-    live: HashMap<u64, Live>,
+    blocks: HashMap<BlockHash, BlockInfo, FixedState>,
+    live: HashMap<u64, Live, FixedState>,
     outcomes: Vec<Outcome>,
     notes: Vec<Note>,
     batches: Vec<Vec<EngineEvent>>,
@@ -149,8 +150,8 @@ impl Core {
             hasher: BlockHasher::new(cfg.block_size),
             now_us: 0,
             step_end: None,
-            blocks: HashMap::new(),
-            live: HashMap::new(),
+            blocks: HashMap::default(),
+            live: HashMap::default(),
             outcomes: Vec::new(),
             notes: Vec::new(),
             batches: Vec::new(),
@@ -217,14 +218,15 @@ impl Core {
         // The engine's own hash is keyed by the adapter too (engine-private, like vLLM's).
         let lora_key = lora.map_or(0, |l| xxhash_rust::xxh3::xxh3_64(l.name.as_bytes()));
         let bs = self.block_size().get();
-        // Remember each block's tokens and engine hash, for the events that will name it.
+        // Remember each block's engine hash, and its tokens for the events that will name it.
+        let publish = self.publish;
         let mut parent = None;
         for (i, &b) in blocks.iter().enumerate() {
             let info = self.blocks.entry(b).or_insert_with(|| {
                 let t = &tokens[i * bs..(i + 1) * bs];
                 BlockInfo {
                     engine_hash: engine_block_hash(parent, t) ^ lora_key,
-                    tokens: t.into(),
+                    tokens: if publish { t.into() } else { Box::default() },
                     lora: lora.cloned(),
                     refs: 0,
                     resident: false,
@@ -371,9 +373,13 @@ impl Core {
                     for b in &blocks {
                         if let Some(info) = self.blocks.get_mut(b) {
                             info.resident = true;
-                            hashes.push(EngineHash::Int(info.engine_hash));
-                            tokens.extend_from_slice(&info.tokens);
-                            lora = lora.or_else(|| info.lora.clone());
+                            // Unpublished, an event only keeps the bookkeeping: it is on the
+                            // way to every step's first token.
+                            if self.publish {
+                                hashes.push(EngineHash::Int(info.engine_hash));
+                                tokens.extend_from_slice(&info.tokens);
+                                lora = lora.or_else(|| info.lora.clone());
+                            }
                         }
                     }
                     let parent = parent

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use kvsim::{EngineConfig, LinearTiming};
 use tokio::sync::mpsc as tmpsc;
 
+use crate::clock;
 use crate::core::{Core, Counters, Lora, Note};
 use crate::events::Publisher;
 
@@ -116,16 +117,10 @@ fn run(
         std::collections::HashMap::new();
     let mut notes = Vec::new();
     let mut batches = Vec::new();
+    clock::precise_timers();
     loop {
         let got = match core.next_deadline() {
-            Some(t) => {
-                let wait = wall(t).saturating_duration_since(Instant::now());
-                if wait.is_zero() {
-                    Err(RecvTimeoutError::Timeout)
-                } else {
-                    rx.recv_timeout(wait)
-                }
-            }
+            Some(t) => recv_until(&rx, wall(t)),
             None => rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
         };
         match got {
@@ -172,4 +167,21 @@ fn run(
             *c = core.counters();
         }
     }
+}
+
+/// Waits for a request until `deadline`, on time (see [`clock`](crate::clock)).
+fn recv_until(rx: &mpsc::Receiver<Submit>, deadline: Instant) -> Result<Submit, RecvTimeoutError> {
+    let sleep = clock::sleep_part(deadline);
+    if !sleep.is_zero() {
+        match rx.recv_timeout(sleep) {
+            Err(RecvTimeoutError::Timeout) => {}
+            got => return got,
+        }
+    }
+    clock::poll_until(deadline, || match rx.try_recv() {
+        Ok(s) => Some(Ok(s)),
+        Err(mpsc::TryRecvError::Disconnected) => Some(Err(RecvTimeoutError::Disconnected)),
+        Err(mpsc::TryRecvError::Empty) => None,
+    })
+    .unwrap_or(Err(RecvTimeoutError::Timeout))
 }

@@ -22,6 +22,7 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
+mod clock;
 pub mod core;
 pub mod driver;
 pub mod error;

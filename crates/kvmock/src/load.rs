@@ -308,6 +308,55 @@ async fn warm_up(client: &HttpClient, endpoint: &str, n: usize) {
     }
 }
 
+/// A thread that sends one tick at each of `times` (ascending), on time: tokio's timers tick
+/// once a millisecond, which at `--speedup 10` would send requests up to 10 emulated ms late.
+fn ticker(times: Vec<Instant>) -> Ticks {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let thread_times = times.clone();
+    let spawned = std::thread::Builder::new()
+        .name("kvload-ticker".into())
+        .spawn(move || {
+            crate::clock::precise_timers();
+            for at in thread_times {
+                crate::clock::sleep_until(at);
+                if tx.send(()).is_err() {
+                    break;
+                }
+            }
+        });
+    match spawned {
+        Ok(_) => Ticks::Thread(rx),
+        Err(e) => {
+            eprintln!(
+                "kvload: cannot start the send-timing thread ({e}); sending on tokio's 1 ms timer"
+            );
+            Ticks::Timer(times.into_iter())
+        }
+    }
+}
+
+/// The ticks of [`ticker`].
+enum Ticks {
+    /// From the ticker thread.
+    Thread(tokio::sync::mpsc::UnboundedReceiver<()>),
+    /// Without it, tokio's timer.
+    Timer(std::vec::IntoIter<Instant>),
+}
+
+impl Ticks {
+    /// Waits for the next send time; `None` after the last.
+    async fn recv(&mut self) -> Option<()> {
+        match self {
+            Ticks::Thread(rx) => rx.recv().await,
+            Ticks::Timer(times) => {
+                let at = times.next()?;
+                tokio::time::sleep_until(at.into()).await;
+                Some(())
+            }
+        }
+    }
+}
+
 /// Sends every request at its arrival time and measures each; `progress` is called with the
 /// number of requests finished so far.
 pub async fn run(
@@ -343,15 +392,22 @@ pub async fn run(
         warm_up(&client, endpoint, cfg.max_concurrency.unwrap_or(32).min(64)).await;
     }
     let start = Instant::now();
+    let mut ticks = ticker(
+        requests
+            .iter()
+            .map(|r| start + Duration::from_secs_f64(r.arrival_us as f64 / 1e6 / cfg.speedup))
+            .collect(),
+    );
     let mut tasks = Vec::with_capacity(requests.len());
-    for (i, (r, body)) in requests.iter().zip(bodies).enumerate() {
+    for (i, body) in bodies.into_iter().enumerate() {
         let endpoint = cfg
             .endpoints
             .get(i % cfg.endpoints.len().max(1))
             .cloned()
             .unwrap_or_default();
-        let at = start + Duration::from_secs_f64(r.arrival_us as f64 / 1e6 / cfg.speedup);
-        tokio::time::sleep_until(at.into()).await;
+        if ticks.recv().await.is_none() {
+            break;
+        }
         let permit = match &sem {
             Some(s) => Arc::clone(s).acquire_owned().await.ok(),
             None => None,
@@ -458,6 +514,26 @@ mod tests {
             a,
             prompt_tokens(&trace_req(vec![1, 2], Some(3), 10), 0, 6, 1000)
         );
+    }
+
+    #[test]
+    fn ticks_come_in_order_never_early_and_end() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let t0 = Instant::now();
+        let times: Vec<Instant> = [0, 300, 1_000, 4_000]
+            .iter()
+            .map(|&us| t0 + Duration::from_micros(us))
+            .collect();
+        rt.block_on(async {
+            let mut ticks = ticker(times.clone());
+            for at in &times {
+                assert_eq!(ticks.recv().await, Some(()));
+                assert!(Instant::now() >= *at);
+            }
+            assert_eq!(ticks.recv().await, None);
+        });
     }
 
     #[test]

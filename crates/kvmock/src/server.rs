@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::{Body, Bytes};
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -130,7 +130,6 @@ pub fn app(cfg: ApiConfig, engine: EngineHandle) -> Router {
                 "no such route".into(),
             )
         })
-        .layer(DefaultBodyLimit::max(256 << 20))
         .with_state(state)
 }
 
@@ -429,17 +428,40 @@ fn prepare_chat(st: &AppState, body: &Bytes) -> Result<Prepared, ApiError> {
     finish_prepare(st, &req, tokens, true, lora)
 }
 
-async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+/// Most bytes a request body may have.
+const BODY_LIMIT: usize = 256 << 20;
+
+/// Reads a request's body. The caller stamps the arrival first: once the request line and
+/// headers are in, as the client's clock would, not after a long prompt has been read.
+async fn read_body(req: axum::extract::Request) -> Result<Bytes, ApiError> {
+    axum::body::to_bytes(req.into_body(), BODY_LIMIT)
+        .await
+        .map_err(|e| {
+            error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "BadRequestError",
+                format!("cannot read the request body (at most {BODY_LIMIT} bytes): {e}"),
+            )
+        })
+}
+
+async fn completions(State(st): State<Arc<AppState>>, req: axum::extract::Request) -> Response {
     let arrived = Instant::now();
-    match prepare_completion(&st, &body) {
+    match read_body(req)
+        .await
+        .and_then(|b| prepare_completion(&st, &b))
+    {
         Ok(p) => run(st, p, arrived).await,
         Err(e) => e.into_response(),
     }
 }
 
-async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+async fn chat_completions(
+    State(st): State<Arc<AppState>>,
+    req: axum::extract::Request,
+) -> Response {
     let arrived = Instant::now();
-    match prepare_chat(&st, &body) {
+    match read_body(req).await.and_then(|b| prepare_chat(&st, &b)) {
         Ok(p) => run(st, p, arrived).await,
         Err(e) => e.into_response(),
     }
