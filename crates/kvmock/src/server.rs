@@ -437,11 +437,16 @@ async fn read_body(req: axum::extract::Request) -> Result<Bytes, ApiError> {
     axum::body::to_bytes(req.into_body(), BODY_LIMIT)
         .await
         .map_err(|e| {
-            error(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "BadRequestError",
-                format!("cannot read the request body (at most {BODY_LIMIT} bytes): {e}"),
-            )
+            let e = e.into_inner();
+            if e.is::<http_body_util::LengthLimitError>() {
+                error(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "BadRequestError",
+                    format!("the request body is larger than {BODY_LIMIT} bytes"),
+                )
+            } else {
+                bad(format!("cannot read the request body: {e}"))
+            }
         })
 }
 
