@@ -114,13 +114,19 @@ impl Trace {
                 Err(_) => return None,
             };
             let end = filled + n;
-            let mut start = 0;
-            while let Some(nl) = buf[start..end].iter().position(|&c| c == b'\n') {
-                let piece = &buf[start..start + nl];
-                let raw = std::str::from_utf8(piece.strip_suffix(b"\r").unwrap_or(piece)).ok()?;
-                parser.line(raw).ok()?;
-                start += nl + 1;
-            }
+            // The complete lines read so far, checked as UTF-8 at once and split as `lines`
+            // splits (a newline, and a carriage return before it).
+            let start = match buf[filled..end].iter().rposition(|&c| c == b'\n') {
+                Some(i) => {
+                    let text = std::str::from_utf8(&buf[..filled + i + 1]).ok()?;
+                    for piece in text.split_inclusive('\n') {
+                        let raw = piece.strip_suffix('\n').unwrap_or(piece);
+                        parser.line(raw.strip_suffix('\r').unwrap_or(raw)).ok()?;
+                    }
+                    filled + i + 1
+                }
+                None => 0,
+            };
             if n == 0 {
                 // The end: a last line without a newline (never a carriage return stripped).
                 if start < end {
@@ -362,20 +368,27 @@ impl TraceStats {
 }
 
 /// Block id -> parent id: a table indexed by id while ids are about as dense as the Mooncake
-/// traces' (numbered from 0), a hash map beyond. Eight bytes an id: the line an id was first
+/// traces' (numbered from 0), a hash map beyond. Eight bytes an id, in pages of `PAGE` ids
+/// allocated as ids reach them (never copied, never zeroed ahead): the line an id was first
 /// seen on is only needed for an error, and found then by reading the text again.
 #[derive(Debug, Default)]
 struct Parents {
     /// Per id: 0 = unseen, 1 = first block, p + 2 = follows id p.
-    dense: Vec<u64>,
+    dense: Vec<Box<[u64]>>,
     sparse: HashMap<u64, Option<u64>, IdHash>,
     count: usize,
 }
 
+/// Ids per page of [`Parents`]' table.
+const PAGE: usize = 1 << 12;
+
 impl Parents {
     fn get(&self, id: u64) -> Option<Option<u64>> {
-        match self.dense.get(id as usize) {
-            Some(&p) if p != 0 => Some((p > 1).then(|| p - 2)),
+        let slot = usize::try_from(id)
+            .ok()
+            .and_then(|i| self.dense.get(i / PAGE).map(|page| page[i % PAGE]));
+        match slot {
+            Some(p) if p != 0 => Some((p > 1).then(|| p - 2)),
             // Not in the table: the map may hold it (stored before the table reached it).
             _ if self.sparse.is_empty() => None,
             _ => self.sparse.get(&id).copied(),
@@ -395,13 +408,16 @@ impl Parents {
                 }
             },
         };
-        if id as usize >= self.dense.len()
-            && id < (self.count as u64).saturating_mul(8).max(1 << 16)
-        {
-            // Vec's own growth: amortised, and only the ids reached are written.
-            self.dense.resize(id as usize + 1, 0);
+        let reached = (self.dense.len() * PAGE) as u64;
+        if id >= reached && id < (self.count as u64).saturating_mul(8).max(1 << 16) {
+            let pages = id as usize / PAGE + 1;
+            self.dense
+                .resize_with(pages, || vec![0; PAGE].into_boxed_slice());
         }
-        match self.dense.get_mut(id as usize) {
+        let slot = usize::try_from(id)
+            .ok()
+            .and_then(|i| self.dense.get_mut(i / PAGE).map(|page| &mut page[i % PAGE]));
+        match slot {
             Some(slot) => *slot = code,
             None => {
                 self.sparse.insert(id, parent);
