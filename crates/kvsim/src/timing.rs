@@ -180,12 +180,37 @@ impl TimingModel for LinearTiming {
             // even) in the low bits of a float with a unit step; a tie it rounded down to
             // even goes up instead (round half away from zero, as `f64::round`).
             const UNIT: f64 = (1u64 << 52) as f64;
+            let round = |x: f64| {
+                let y = x + UNIT;
+                (y.to_bits() - UNIT.to_bits()) + u64::from(x - (y - UNIT) == 0.5)
+            };
             if c >= 0.0 && (0.0..UNIT).contains(&lo) && (0.0..UNIT).contains(&hi) {
-                out.extend((0..n).map(|_| {
+                // Four steps at a time, each lane counting its context in f64 (exact: whole
+                // numbers below 2^53), so that the lanes can be computed side by side.
+                const LANES: usize = 4;
+                let wide = (n as u64 + LANES as u64)
+                    .checked_mul(decode_requests)
+                    .and_then(|d| d.checked_add(context_tokens))
+                    .is_some_and(|l| l < 1 << 53);
+                if wide {
+                    let mut lane: [f64; LANES] =
+                        std::array::from_fn(|l| (ctx + l as i64 * step) as f64);
+                    let stride = (LANES as i64 * step) as f64;
+                    for _ in 0..n / LANES {
+                        let four: [u64; LANES] = std::array::from_fn(|l| {
+                            let x = fixed + c * lane[l];
+                            lane[l] += stride;
+                            round(x)
+                        });
+                        out.extend_from_slice(&four);
+                    }
+                    ctx += (n - n % LANES) as i64 * step;
+                }
+                let left = if wide { n % LANES } else { n };
+                out.extend((0..left).map(|_| {
                     let x = at(ctx);
                     ctx += step;
-                    let y = x + UNIT;
-                    (y.to_bits() - UNIT.to_bits()) + u64::from(x - (y - UNIT) == 0.5)
+                    round(x)
                 }));
                 return;
             }
@@ -394,6 +419,7 @@ mod tests {
                 (256, 3_000_000),
                 (3, u64::MAX - 4),
                 (1, (1 << 53) - 300),
+                (1, (1 << 53) - 502),
                 (0, 17),
             ] {
                 let mut fast = Vec::new();
@@ -422,10 +448,10 @@ mod tests {
                     next(1 << 20) as f64 / 1e7
                 },
             );
-            let (n, ctx) = (next(300), next(1 << 24));
+            let (n, ctx, steps) = (next(300), next(1 << 24), next(70));
             let mut fast = Vec::new();
-            t.decode_steps_us(n, ctx, 64, &mut fast);
-            let slow: Vec<u64> = (0..64u64)
+            t.decode_steps_us(n, ctx, steps as usize, &mut fast);
+            let slow: Vec<u64> = (0..steps)
                 .map(|k| t.step_us(&StepShape::new(0, n, ctx + k * n)))
                 .collect();
             assert_eq!(fast, slow, "{t:?} {n} {ctx}");
