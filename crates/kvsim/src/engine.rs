@@ -586,9 +586,10 @@ impl Engine {
     /// The durations of the `n` steps after the one in progress, were they planned after
     /// quiet steps (`n` at most [`quiet_steps`](Self::quiet_steps)); cached, so that skipping
     /// them later does not compute them twice.
-    pub fn quiet_durations(&mut self, n: usize) -> impl Iterator<Item = u64> + '_ {
+    pub fn quiet_durations(&mut self, n: usize) -> &[u64] {
         self.extend_ahead(n);
-        self.ahead[self.ahead_pos..].iter().copied().take(n)
+        let ahead = &self.ahead[self.ahead_pos..];
+        &ahead[..n.min(ahead.len())]
     }
 
     /// Finishes the step in progress and plans the next, `n` times, exactly as

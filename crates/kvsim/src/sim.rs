@@ -871,18 +871,14 @@ impl<'a> Run<'a> {
         chain.ends.clear();
         chain.ends.push(end);
         let mut t = end;
-        let mut last = end;
-        for (j, d) in self.fleet.engines[e]
-            .quiet_durations(q as usize)
-            .enumerate()
-        {
+        let durations = self.fleet.engines[e].quiet_durations(q as usize);
+        // The ends of the skipped steps after the first, then that of the one queued.
+        let (skipped, queued) = durations.split_at(durations.len().saturating_sub(1));
+        chain.ends.extend(skipped.iter().map(|&d| {
             t = t.saturating_add(d);
-            if (j as u64) + 1 < q {
-                chain.ends.push(t);
-            } else {
-                last = t;
-            }
-        }
+            t
+        }));
+        let last = t.saturating_add(queued.first().copied().unwrap_or(0));
         self.seq += 1;
         chain.seq0 = self.seq;
         chain.ppush0 = self.cur_vpush;

@@ -165,15 +165,57 @@ impl TimingModel for LinearTiming {
             + self.decode_us_per_request * decode_requests as f64;
         out.reserve(n);
         let c = self.context_us_per_token;
-        // Below 2^53 every context is an exact f64, and so is each sum of them: the context can
-        // be counted in f64 (and rounded through i64) with the very same results.
+        // Below 2^53 every context is an exact f64: the context can be counted in i64 (and
+        // rounded through i64) with the very same results.
         let last = (n as u64)
             .checked_mul(decode_requests)
             .and_then(|d| d.checked_add(context_tokens));
         if last.is_some_and(|l| l < 1 << 53) {
-            let (mut ctx, step) = (context_tokens as f64, decode_requests as f64);
+            let (mut ctx, step) = (context_tokens as i64, decode_requests as i64);
+            let at = |ctx: i64| fixed + c * ctx as f64;
+            let (lo, hi) = (at(ctx), at(last.map_or(0, |l| l as i64)));
+            // With `c >= 0` the durations grow with the context: when the first and the one
+            // after the last are in [0, 2^52), so is every one between, and each rounds
+            // without a conversion. `x + 2^52` is `x` rounded to the nearest integer (ties to
+            // even) in the low bits of a float with a unit step; a tie it rounded down to
+            // even goes up instead (round half away from zero, as `f64::round`).
+            const UNIT: f64 = (1u64 << 52) as f64;
+            let round = |x: f64| {
+                let y = x + UNIT;
+                (y.to_bits() - UNIT.to_bits()) + u64::from(x - (y - UNIT) == 0.5)
+            };
+            if c >= 0.0 && (0.0..UNIT).contains(&lo) && (0.0..UNIT).contains(&hi) {
+                // Four steps at a time, each lane counting its context in f64 (exact: whole
+                // numbers below 2^53), so that the lanes can be computed side by side.
+                const LANES: usize = 4;
+                let wide = (n as u64 + LANES as u64)
+                    .checked_mul(decode_requests)
+                    .and_then(|d| d.checked_add(context_tokens))
+                    .is_some_and(|l| l < 1 << 53);
+                if wide {
+                    let mut lane: [f64; LANES] =
+                        std::array::from_fn(|l| (ctx + l as i64 * step) as f64);
+                    let stride = (LANES as i64 * step) as f64;
+                    for _ in 0..n / LANES {
+                        let four: [u64; LANES] = std::array::from_fn(|l| {
+                            let x = fixed + c * lane[l];
+                            lane[l] += stride;
+                            round(x)
+                        });
+                        out.extend_from_slice(&four);
+                    }
+                    ctx += (n - n % LANES) as i64 * step;
+                }
+                let left = if wide { n % LANES } else { n };
+                out.extend((0..left).map(|_| {
+                    let x = at(ctx);
+                    ctx += step;
+                    round(x)
+                }));
+                return;
+            }
             for _ in 0..n {
-                let x = fixed + c * ctx;
+                let x = at(ctx);
                 let us = if (0.0..4e18).contains(&x) {
                     let t = x as i64;
                     (t + i64::from(x - t as f64 >= 0.5)) as u64
@@ -360,15 +402,24 @@ mod tests {
             LinearTiming::new(1000.0, 1.0, 0.5, 0.3),
             LinearTiming::new(0.0, 0.0, 0.0, 0.125),
             LinearTiming::new(0.5, 0.0, 0.0, 0.5),
+            LinearTiming::new(0.0, 0.0, 0.25, 0.25),
+            LinearTiming::new(0.499_999_999_999_999_94, 0.0, 0.0, 0.0),
+            LinearTiming::new(7_050.0, 0.0, 25.4, 0.1),
+            LinearTiming::new(0.0, 0.0, 0.0, 1e-9),
+            LinearTiming::new(4.5e15, 0.0, 0.0, 1.0),
             LinearTiming::new(1e18, 0.0, 3.0, 1e6),
             LinearTiming::new(f64::NAN, 0.0, 0.0, 1.0),
         ] {
             for (n, ctx) in [
                 (1, 0),
+                (1, 1),
+                (3, 1),
+                (2, 4_503_599_627_370_000),
                 (7, 12_345),
                 (256, 3_000_000),
                 (3, u64::MAX - 4),
                 (1, (1 << 53) - 300),
+                (1, (1 << 53) - 502),
                 (0, 17),
             ] {
                 let mut fast = Vec::new();
@@ -378,6 +429,32 @@ mod tests {
                     .collect();
                 assert_eq!(fast, slow);
             }
+        }
+        // Random coefficients and contexts, many of them on exact halves.
+        let mut s = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = |m: u64| {
+            s = s.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            (s >> 33) % m
+        };
+        for _ in 0..2_000 {
+            let quarter = |x: u64| x as f64 / 4.0;
+            let t = LinearTiming::new(
+                quarter(next(40_000)),
+                0.0,
+                quarter(next(200)),
+                if next(2) == 0 {
+                    quarter(next(8))
+                } else {
+                    next(1 << 20) as f64 / 1e7
+                },
+            );
+            let (n, ctx, steps) = (next(300), next(1 << 24), next(70));
+            let mut fast = Vec::new();
+            t.decode_steps_us(n, ctx, steps as usize, &mut fast);
+            let slow: Vec<u64> = (0..steps)
+                .map(|k| t.step_us(&StepShape::new(0, n, ctx + k * n)))
+                .collect();
+            assert_eq!(fast, slow, "{t:?} {n} {ctx}");
         }
     }
 }
