@@ -401,7 +401,9 @@ impl Core {
                     for b in &blocks {
                         if let Some(info) = self.blocks.get_mut(b) {
                             info.resident = false;
-                            hashes.push(EngineHash::Int(info.engine_hash));
+                            if self.publish {
+                                hashes.push(EngineHash::Int(info.engine_hash));
+                            }
                             if info.refs == 0 {
                                 self.blocks.remove(b);
                             }

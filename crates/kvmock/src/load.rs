@@ -405,9 +405,9 @@ pub async fn run(
             .get(i % cfg.endpoints.len().max(1))
             .cloned()
             .unwrap_or_default();
-        if ticks.recv().await.is_none() {
-            break;
-        }
+        // There is one tick per request; were one ever missing, the request goes at once
+        // rather than not at all.
+        let _ = ticks.recv().await;
         let permit = match &sem {
             Some(s) => Arc::clone(s).acquire_owned().await.ok(),
             None => None,

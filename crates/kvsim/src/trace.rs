@@ -77,28 +77,33 @@ impl Trace {
 
     /// Reads and checks a trace file whose ids name blocks of `block_size` tokens.
     pub fn load(path: &Path, block_size: BlockSize) -> Result<Self, Error> {
+        use std::io::{Read, Seek, SeekFrom};
         let file = path.display().to_string();
-        // Read in pieces through one reused buffer: the file's text is never held whole. Any
-        // failure (an unreadable or non-UTF-8 file, a bad line) is worded by the whole-text
-        // path, exactly as it always was: read first, then parse.
-        match Self::stream(&file, path, block_size) {
-            Some(trace) => Ok(trace),
-            None => {
-                let text = std::fs::read_to_string(path).map_err(|e| TraceError {
-                    file: file.clone(),
-                    line: 0,
-                    what: format!("cannot read: {e}"),
-                })?;
-                Self::parse(&file, &text, block_size)
+        let cannot = |e: std::io::Error| TraceError {
+            file: file.clone(),
+            line: 0,
+            what: format!("cannot read: {e}"),
+        };
+        let mut f = std::fs::File::open(path).map_err(cannot)?;
+        // A regular file is read in pieces through one reused buffer: its text is never held
+        // whole. On any failure (a non-UTF-8 file, a bad line) it is read again from the start
+        // and worded by the whole-text path, exactly as it always was. A pipe or FIFO cannot be
+        // read twice: it is read whole, once.
+        if f.metadata().is_ok_and(|m| m.is_file()) {
+            if let Some(trace) = Self::stream(&file, &mut f, block_size) {
+                return Ok(trace);
             }
+            f.seek(SeekFrom::Start(0)).map_err(cannot)?;
         }
+        let mut text = String::new();
+        f.read_to_string(&mut text).map_err(cannot)?;
+        Self::parse(&file, &text, block_size)
     }
 
-    /// Reads and checks the file line by line, splitting lines as [`str::lines`] does; `None`
-    /// on any failure.
-    fn stream(name: &str, path: &Path, block_size: BlockSize) -> Option<Self> {
+    /// Reads and checks the file `f` (at its start) line by line, splitting lines as
+    /// [`str::lines`] does; `None` on any failure.
+    fn stream(name: &str, f: &mut std::fs::File, block_size: BlockSize) -> Option<Self> {
         use std::io::Read;
-        let mut f = std::fs::File::open(path).ok()?;
         let mut parser = Parser::new(block_size);
         let mut buf = vec![0u8; 1 << 16];
         // `buf[..filled]` holds what is read and not yet parsed: the start of a line.
@@ -823,6 +828,40 @@ mod tests {
                 let msg = format!("{name}:{c}: ids must be prefix-chained");
                 assert_eq!(got, Err(msg), "text {i}");
             }
+        }
+    }
+
+    /// A pipe is read once, whole: a bad line is worded as from a file, and a good pipe gives
+    /// the trace a file gives (a second open of a pipe would read only what is left in it).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn load_reads_a_pipe_like_parse() {
+        use std::os::fd::AsRawFd;
+        let good =
+            r#"{"timestamp": 0, "input_length": 1024, "output_length": 3, "hash_ids": [0, 1]}"#;
+        // More than one 64 KB read after the bad first line.
+        let tail = format!("{good}\n").repeat(2_000);
+        let bs = BlockSize::new(512).expect("non-zero");
+        for text in [format!("{{\"timestamp\": 1,}}\n{tail}"), tail.clone()] {
+            let path = std::env::temp_dir().join(format!(
+                "kvsim-pipe-{}-{}.jsonl",
+                std::process::id(),
+                text.len()
+            ));
+            std::fs::write(&path, &text).expect("writes");
+            let mut cat = std::process::Command::new("cat")
+                .arg(&path)
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .expect("cat starts");
+            let out = cat.stdout.take().expect("piped");
+            let pipe = format!("/proc/self/fd/{}", out.as_raw_fd());
+            let got = Trace::load(Path::new(&pipe), bs).map_err(|e| e.to_string());
+            drop(out);
+            let _ = cat.wait();
+            std::fs::remove_file(&path).expect("removes");
+            let want = Trace::parse(&pipe, &text, bs).map_err(|e| e.to_string());
+            assert_eq!(got, want);
         }
     }
 
