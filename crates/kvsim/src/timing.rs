@@ -431,11 +431,8 @@ mod tests {
             }
         }
         // Random coefficients and contexts, many of them on exact halves.
-        let mut s = 0x2545_F491_4F6C_DD1Du64;
-        let mut next = |m: u64| {
-            s = s.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-            (s >> 33) % m
-        };
+        let mut rng = crate::rng::SimRng::new(0x2545_F491_4F6C_DD1D, 0);
+        let mut next = |m: u64| rng.below(m);
         for _ in 0..2_000 {
             let quarter = |x: u64| x as f64 / 4.0;
             let t = LinearTiming::new(

@@ -869,14 +869,11 @@ mod tests {
     #[test]
     fn digits8_reads_like_a_loop() {
         let alphabet = b"0123456789012345678901234567890123456789 ,]}.eE-x/:\xff\x00";
-        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut rng = crate::rng::SimRng::new(0x9E37_79B9_7F4A_7C15, 0);
         for _ in 0..200_000 {
             let mut bytes = [0u8; 8];
             for b in &mut bytes {
-                x = x
-                    .wrapping_mul(6_364_136_223_846_793_005)
-                    .wrapping_add(1_442_695_040_888_963_407);
-                *b = alphabet[(x >> 33) as usize % alphabet.len()];
+                *b = alphabet[rng.below(alphabet.len() as u64) as usize];
             }
             let len = bytes.iter().take_while(|c| c.is_ascii_digit()).count();
             let value = bytes[..len]
@@ -892,11 +889,9 @@ mod tests {
     fn parents_table_is_a_map() {
         let mut t = Parents::default();
         let mut model: HashMap<u64, Option<u64>> = HashMap::new();
-        let mut x = 7u64;
+        let mut rng = crate::rng::SimRng::new(7, 0);
         for line in 0..20_000usize {
-            x = x
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
+            let x = rng.next_u64();
             let id = match x >> 62 {
                 0 => x >> 48,
                 1 => (x >> 8) % 300_000,
