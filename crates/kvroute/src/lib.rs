@@ -61,6 +61,7 @@
 )]
 
 mod groups;
+mod inflight;
 mod model;
 #[cfg(feature = "openai")]
 pub mod openai;

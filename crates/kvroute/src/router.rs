@@ -3,13 +3,13 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use hashbrown::hash_map::Entry;
 use kvblock::{BlockHash, BlockHasher, BlockSize, ExtraKeys};
 use kvcache::{Applied, CacheIndex, FixedState, IndexSnapshot, KvEvent, Overlaps, Tier, WorkerId};
 use rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 
 use crate::groups::Groups;
+use crate::inflight::InFlightBlocks;
 use crate::model::sample_softmax;
 use crate::ring::Ring;
 use crate::{
@@ -342,9 +342,9 @@ struct Load {
     id: WorkerId,
     generation: u64,
     /// Every in-flight request's prompt blocks (the seed's `active_blocks`).
-    blocks: Map<BlockHash, u32>,
+    blocks: InFlightBlocks,
     /// Those of requests past their first token, and of other replicas' requests.
-    decode: Map<BlockHash, u32>,
+    decode: InFlightBlocks,
     /// Uncached prompt blocks of requests not past their first token.
     pending: usize,
     requests: usize,
@@ -365,6 +365,13 @@ struct InFlight {
 ///
 /// Routing is deterministic: the same seed and the same calls give the same decisions. Ties are
 /// broken uniformly at random with the seeded generator.
+///
+/// In-flight load counts each worker's distinct prompt blocks as the union of its requests'
+/// chains: block lists are expected to be sequence hashes (as [`route_tokens`](Self::route_tokens)
+/// and `kvblock` make them), where a hash names its whole prefix. The union is then a trie, kept
+/// with path compression, so routing and finishing a 128-block request cost a few lookups rather
+/// than one per block. Lists outside that contract (a hash after two different parents, or twice
+/// in one list) may count a block more than once until the worker has nothing in flight.
 ///
 /// ```
 /// use kvblock::BlockSize;
@@ -446,30 +453,13 @@ struct Remote {
     expires: Duration,
 }
 
-fn add_refs(map: &mut Map<BlockHash, u32>, blocks: &[BlockHash]) {
-    for &b in blocks {
-        *map.entry(b).or_insert(0) += 1;
-    }
-}
-
-fn release_refs(map: &mut Map<BlockHash, u32>, blocks: &[BlockHash]) {
-    for b in blocks {
-        if let Entry::Occupied(mut e) = map.entry(*b) {
-            *e.get_mut() -= 1;
-            if *e.get() == 0 {
-                e.remove();
-            }
-        }
-    }
-}
-
 impl Load {
     fn new(id: WorkerId, generation: u64) -> Self {
         Load {
             id,
             generation,
-            blocks: Map::default(),
-            decode: Map::default(),
+            blocks: InFlightBlocks::default(),
+            decode: InFlightBlocks::default(),
             pending: 0,
             requests: 0,
             predicted: Map::default(),
@@ -799,7 +789,7 @@ impl Router {
         Ok(())
     }
 
-    /// Distinct in-flight prompt blocks on `worker`.
+    /// Distinct in-flight prompt blocks on `worker` (see the type's docs for the contract).
     pub fn active_blocks(&self, worker: WorkerId) -> usize {
         self.worker_load(worker).map_or(0, |l| l.blocks.len())
     }
@@ -876,7 +866,7 @@ impl Router {
         let ttl = self.config.predicted_ttl;
         let (worker, generation) = {
             let load = self.slots[chosen].as_mut().ok_or(Error::NoWorkers)?;
-            add_refs(&mut load.blocks, blocks);
+            load.blocks.add(blocks);
             load.requests += 1;
             load.pending += uncached;
             self.active[chosen] = load.blocks.len();
@@ -1116,11 +1106,11 @@ impl Router {
             .ok_or(Error::UnknownRequest { request_id })?;
         if let Some(load) = self.slots.get_mut(req.slot).and_then(Option::as_mut) {
             if load.generation == req.generation {
-                release_refs(&mut load.blocks, &req.blocks);
+                load.blocks.release(&req.blocks);
                 load.requests -= 1;
                 match req.prefill {
                     Some(p) => load.pending -= p,
-                    None => release_refs(&mut load.decode, &req.blocks),
+                    None => load.decode.release(&req.blocks),
                 }
                 self.active[req.slot] = load.blocks.len();
                 self.pending[req.slot] = load.pending;
@@ -1166,7 +1156,7 @@ impl Router {
         if let Some(load) = self.slots.get_mut(req.slot).and_then(Option::as_mut) {
             if load.generation == req.generation {
                 load.pending -= p;
-                add_refs(&mut load.decode, &req.blocks);
+                load.decode.add(&req.blocks);
                 self.pending[req.slot] = load.pending;
                 self.decode[req.slot] = load.decode.len();
             }
@@ -1304,10 +1294,10 @@ impl Router {
                 };
                 // Its first token may have been reported before its route arrived.
                 let prefill = pending.filter(|_| self.prefilled.remove(&key).is_none());
-                add_refs(&mut load.blocks, blocks);
+                load.blocks.add(blocks);
                 match prefill {
                     Some(p) => load.pending += p,
-                    None => add_refs(&mut load.decode, blocks),
+                    None => load.decode.add(blocks),
                 }
                 self.active[i] = load.blocks.len();
                 self.pending[i] = load.pending;
@@ -1351,7 +1341,7 @@ impl Router {
                 match self.slots.get_mut(r.slot).and_then(Option::as_mut) {
                     Some(load) if load.generation == r.generation => {
                         load.pending -= p;
-                        add_refs(&mut load.decode, &r.blocks);
+                        load.decode.add(&r.blocks);
                         self.pending[r.slot] = load.pending;
                         self.decode[r.slot] = load.decode.len();
                         true
@@ -1375,10 +1365,10 @@ impl Router {
     fn release_remote(&mut self, r: &Remote) -> bool {
         match self.slots.get_mut(r.slot).and_then(Option::as_mut) {
             Some(load) if load.generation == r.generation => {
-                release_refs(&mut load.blocks, &r.blocks);
+                load.blocks.release(&r.blocks);
                 match r.prefill {
                     Some(p) => load.pending -= p,
-                    None => release_refs(&mut load.decode, &r.blocks),
+                    None => load.decode.release(&r.blocks),
                 }
                 self.active[r.slot] = load.blocks.len();
                 self.pending[r.slot] = load.pending;
