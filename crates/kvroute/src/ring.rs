@@ -28,13 +28,29 @@ impl Ring {
     }
 
     pub(crate) fn add(&mut self, w: WorkerId) {
-        for v in 0..self.vnodes {
-            let mut bytes = [0u8; 12];
-            bytes[..8].copy_from_slice(&w.get().to_le_bytes());
-            bytes[8..].copy_from_slice(&v.to_le_bytes());
-            self.points.push((xxh3_64_with_seed(&bytes, RING_SEED), w));
+        let mut fresh: Vec<(u64, WorkerId)> = (0..self.vnodes)
+            .map(|v| {
+                let mut bytes = [0u8; 12];
+                bytes[..8].copy_from_slice(&w.get().to_le_bytes());
+                bytes[8..].copy_from_slice(&v.to_le_bytes());
+                (xxh3_64_with_seed(&bytes, RING_SEED), w)
+            })
+            .collect();
+        fresh.sort_unstable();
+        // Merged into the sorted ring in one pass: sorting the whole ring on every add made
+        // registering N workers cost O(N^2 log N).
+        let old = std::mem::take(&mut self.points);
+        self.points.reserve(old.len() + fresh.len());
+        let (mut a, mut b) = (old.into_iter().peekable(), fresh.into_iter().peekable());
+        loop {
+            let next = match (a.peek(), b.peek()) {
+                (Some(x), Some(y)) if x <= y => a.next(),
+                (_, Some(_)) => b.next(),
+                (Some(_), None) => a.next(),
+                (None, None) => break,
+            };
+            self.points.extend(next);
         }
-        self.points.sort_unstable();
     }
 
     pub(crate) fn remove(&mut self, w: WorkerId) {
@@ -81,6 +97,28 @@ mod tests {
                 } else {
                     prop_assert_ne!(*a, gone);
                 }
+            }
+        }
+
+        /// Adding merges each worker's points into the sorted ring: any order of adds (and
+        /// removes) gives the ring sorted from scratch.
+        #[test]
+        fn adds_in_any_order_keep_the_ring_sorted(ids in prop::collection::vec(0u64..40, 1..30), vnodes in 1u32..20) {
+            let mut r = Ring::new(vnodes);
+            let mut all = Vec::new();
+            for (k, &w) in ids.iter().enumerate() {
+                let w = WorkerId::new(w);
+                if k % 7 == 6 {
+                    r.remove(w);
+                    all.retain(|p: &(u64, WorkerId)| p.1 != w);
+                    continue;
+                }
+                r.add(w);
+                let mut one = Ring::new(vnodes);
+                one.add(w);
+                all.extend(one.points);
+                all.sort_unstable();
+                prop_assert_eq!(&r.points, &all);
             }
         }
 
