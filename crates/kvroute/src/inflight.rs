@@ -1,5 +1,6 @@
 //! The distinct prompt blocks in flight on one worker, kept as a path-compressed trie.
 
+use hashbrown::hash_map::Entry;
 use kvblock::BlockHash;
 use kvcache::FixedState;
 
@@ -16,8 +17,11 @@ type Map<K, V> = hashbrown::HashMap<K, V, FixedState>;
 /// not 128 reference counts, and the count of distinct blocks is exact under the contract.
 ///
 /// Lists that break the contract (a hash after two different parents, a hash twice in one
-/// list) are counted as if they did not: a block may then count more than once. The count never
-/// goes negative, and it is 0 again once every added list has been released.
+/// list) never make the count too low or leave a finished list counted. Where one would make a
+/// segment start at a hash another segment starts at, the tracker turns into one reference
+/// count per block (exact for any lists, as slow as before the trie) until the worker has
+/// nothing in flight; other breaches may count a block more than once while the lists sharing
+/// it are in flight.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct InFlightBlocks {
     /// Segment slot by the hash of the segment's first block.
@@ -30,6 +34,9 @@ pub(crate) struct InFlightBlocks {
     len: usize,
     /// Lists added and not yet released.
     lists: usize,
+    /// A reference count per block instead of the trie, once a list broke the contract in a
+    /// way the trie cannot hold; `None` again when the worker is idle.
+    exact: Option<Map<BlockHash, u32>>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -55,6 +62,10 @@ impl InFlightBlocks {
     /// Adds one request's blocks.
     pub(crate) fn add(&mut self, blocks: &[BlockHash]) {
         self.lists += 1;
+        if self.exact.is_some() {
+            self.add_exact(blocks);
+            return;
+        }
         let mut pos = 0;
         while let Some(&first) = blocks.get(pos) {
             let rest = &blocks[pos..];
@@ -66,6 +77,13 @@ impl InFlightBlocks {
             // At least 1: the segment starts with `first`.
             let shared = common_prefix(&seg.blocks, rest).max(1);
             if shared < seg.blocks.len() {
+                if self.starts.contains_key(&seg.blocks[shared]) {
+                    // Outside the contract: the tail would start where another segment does.
+                    // `blocks[..pos]` is already counted, whole segments of the trie.
+                    self.count_exactly();
+                    self.add_exact(rest);
+                    return;
+                }
                 self.split(s, shared);
             }
             let seg = &mut self.segs[s as usize];
@@ -82,12 +100,29 @@ impl InFlightBlocks {
             self.clear();
             return;
         }
+        if let Some(counts) = &mut self.exact {
+            for b in blocks {
+                if let Entry::Occupied(mut e) = counts.entry(*b) {
+                    *e.get_mut() -= 1;
+                    if *e.get() == 0 {
+                        e.remove();
+                    }
+                }
+            }
+            self.len = counts.len();
+            return;
+        }
         let mut pos = 0;
         while let Some(first) = blocks.get(pos) {
             let Some(&s) = self.starts.get(first) else {
                 return;
             };
             let seg = &mut self.segs[s as usize];
+            if !blocks[pos..].starts_with(&seg.blocks) {
+                // A guard: with no start ever shared (see `add`), a list retraces the segments
+                // it was added through, however they were split since.
+                return;
+            }
             pos += seg.blocks.len();
             seg.refs = seg.refs.saturating_sub(1);
             if seg.refs == 0 {
@@ -109,6 +144,34 @@ impl InFlightBlocks {
         self.free.clear();
         self.len = 0;
         self.lists = 0;
+        self.exact = None;
+    }
+
+    /// Turns the trie into a reference count per block: each segment's blocks once per list
+    /// passing it.
+    fn count_exactly(&mut self) {
+        let mut counts: Map<BlockHash, u32> = Map::default();
+        for &s in self.starts.values() {
+            let seg = &self.segs[s as usize];
+            for &b in &seg.blocks {
+                let n = counts.entry(b).or_insert(0);
+                *n = n.saturating_add(seg.refs);
+            }
+        }
+        let lists = self.lists;
+        self.clear();
+        self.lists = lists;
+        self.len = counts.len();
+        self.exact = Some(counts);
+    }
+
+    fn add_exact(&mut self, blocks: &[BlockHash]) {
+        let counts = self.exact.get_or_insert_with(Map::default);
+        for &b in blocks {
+            let n = counts.entry(b).or_insert(0);
+            *n = n.saturating_add(1);
+        }
+        self.len = counts.len();
     }
 
     fn new_segment(&mut self, blocks: &[BlockHash], refs: u32) -> u32 {
@@ -164,6 +227,17 @@ impl InFlightBlocks {
     /// referenced, the count their lengths' sum); property tests call it after every step.
     #[cfg(test)]
     pub(crate) fn check_invariants(&self) -> Result<(), String> {
+        if let Some(counts) = &self.exact {
+            return if self.starts.is_empty() && counts.len() == self.len {
+                Ok(())
+            } else {
+                Err(format!(
+                    "exact mode: {} counted, {} blocks",
+                    self.len,
+                    counts.len()
+                ))
+            };
+        }
         let mut sum = 0;
         for (first, &s) in &self.starts {
             let seg = self
@@ -263,8 +337,8 @@ mod tests {
             prop_assert_eq!(t.len(), 0);
         }
 
-        /// Lists outside the contract (any hashes, repeats): no panic, the count never exceeds
-        /// the blocks added since the worker was last idle, and it is 0 once all are released.
+        /// Lists outside the contract (any hashes, repeats): no panic, the count is never below
+        /// the distinct blocks in flight nor above their sum, and 0 once all are released.
         #[test]
         fn lists_outside_the_contract_are_bounded(
             ops in prop::collection::vec(
@@ -273,21 +347,24 @@ mod tests {
             ),
         ) {
             let mut t = InFlightBlocks::default();
+            let mut m = Model::default();
             let mut live: Vec<Vec<BlockHash>> = Vec::new();
-            let mut since_idle = 0;
             for (add, raw, pick) in ops {
                 if add || live.is_empty() {
                     let blocks: Vec<BlockHash> = raw.into_iter().map(BlockHash::new).collect();
                     t.add(&blocks);
-                    since_idle += blocks.len();
+                    m.add(&blocks);
                     live.push(blocks);
                 } else {
-                    t.release(&live.swap_remove(pick.index(live.len())));
-                    if live.is_empty() {
-                        since_idle = 0;
-                    }
+                    let blocks = live.swap_remove(pick.index(live.len()));
+                    t.release(&blocks);
+                    m.release(&blocks);
                 }
-                prop_assert!(t.len() <= since_idle, "{} blocks counted, {since_idle} added", t.len());
+                t.check_invariants().map_err(TestCaseError::fail)?;
+                // Never fewer than the distinct blocks in flight, never more than their sum.
+                let most: usize = live.iter().map(Vec::len).sum();
+                prop_assert!(m.0.len() <= t.len() && t.len() <= most,
+                    "{} counted, {} distinct, {most} in all", t.len(), m.0.len());
             }
             for blocks in live.drain(..) {
                 t.release(&blocks);
@@ -315,5 +392,31 @@ mod tests {
         t.check_invariants().unwrap();
         t.release(&a[..1]);
         assert_eq!(t.len(), 0);
+    }
+
+    /// Lists outside the contract that a trie would hold wrongly (found by review): a finished
+    /// request left counted while the worker stays busy, and a release that freed a segment
+    /// another list still passes.
+    #[test]
+    fn lists_outside_the_contract_neither_leak_nor_undercount() {
+        let h = |v: &[u64]| v.iter().map(|&x| BlockHash::new(x)).collect::<Vec<_>>();
+        let mut t = InFlightBlocks::default();
+        t.add(&h(&[99]));
+        for _ in 0..1000 {
+            let lists = [h(&[10]), h(&[20, 10]), h(&[20, 30])];
+            for l in &lists {
+                t.add(l);
+            }
+            for l in &lists {
+                t.release(l);
+            }
+        }
+        assert_eq!(t.len(), 1);
+        let mut t = InFlightBlocks::default();
+        t.add(&h(&[1, 1, 2]));
+        t.add(&h(&[1]));
+        t.release(&h(&[1]));
+        assert_eq!(t.len(), 2);
+        t.check_invariants().unwrap();
     }
 }

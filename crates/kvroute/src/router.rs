@@ -336,7 +336,7 @@ impl RouterBuilder {
     }
 }
 
-/// Per-worker in-flight load: reference counts of distinct prompt blocks.
+/// Per-worker in-flight load: the distinct prompt blocks of its requests, and counts.
 #[derive(Debug, Clone)]
 struct Load {
     id: WorkerId,
@@ -371,7 +371,9 @@ struct InFlight {
 /// and `kvblock` make them), where a hash names its whole prefix. The union is then a trie, kept
 /// with path compression, so routing and finishing a 128-block request cost a few lookups rather
 /// than one per block. Lists outside that contract (a hash after two different parents, or twice
-/// in one list) may count a block more than once until the worker has nothing in flight.
+/// in one list) are never undercounted and never stay counted once finished; they may count a
+/// block more than once while the lists sharing it are in flight, or turn that worker's count
+/// back into one reference per block (as exact as before, and as slow) until it is idle.
 ///
 /// ```
 /// use kvblock::BlockSize;
