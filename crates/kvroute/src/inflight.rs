@@ -300,6 +300,25 @@ mod tests {
         }
     }
 
+    /// The same step on the tracker and the model: add `blocks` (always when nothing is in
+    /// flight), or release the live list at `pick`.
+    fn step(
+        (t, m, live): (&mut InFlightBlocks, &mut Model, &mut Vec<Vec<BlockHash>>),
+        add: bool,
+        blocks: Vec<BlockHash>,
+        pick: prop::sample::Index,
+    ) {
+        if add || live.is_empty() {
+            t.add(&blocks);
+            m.add(&blocks);
+            live.push(blocks);
+        } else {
+            let blocks = live.swap_remove(pick.index(live.len()));
+            t.release(&blocks);
+            m.release(&blocks);
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(512))]
 
@@ -316,16 +335,7 @@ mod tests {
             let mut m = Model::default();
             let mut live: Vec<Vec<BlockHash>> = Vec::new();
             for (add, codes, pick) in ops {
-                if add || live.is_empty() {
-                    let blocks = path(&codes);
-                    t.add(&blocks);
-                    m.add(&blocks);
-                    live.push(blocks);
-                } else {
-                    let blocks = live.swap_remove(pick.index(live.len()));
-                    t.release(&blocks);
-                    m.release(&blocks);
-                }
+                step((&mut t, &mut m, &mut live), add, path(&codes), pick);
                 t.check_invariants().map_err(TestCaseError::fail)?;
                 prop_assert_eq!(t.len(), m.0.len());
             }
@@ -350,16 +360,8 @@ mod tests {
             let mut m = Model::default();
             let mut live: Vec<Vec<BlockHash>> = Vec::new();
             for (add, raw, pick) in ops {
-                if add || live.is_empty() {
-                    let blocks: Vec<BlockHash> = raw.into_iter().map(BlockHash::new).collect();
-                    t.add(&blocks);
-                    m.add(&blocks);
-                    live.push(blocks);
-                } else {
-                    let blocks = live.swap_remove(pick.index(live.len()));
-                    t.release(&blocks);
-                    m.release(&blocks);
-                }
+                let blocks = raw.into_iter().map(BlockHash::new).collect();
+                step((&mut t, &mut m, &mut live), add, blocks, pick);
                 t.check_invariants().map_err(TestCaseError::fail)?;
                 // Never fewer than the distinct blocks in flight, never more than their sum.
                 let most: usize = live.iter().map(Vec::len).sum();
