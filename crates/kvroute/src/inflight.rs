@@ -2,9 +2,8 @@
 
 use hashbrown::hash_map::Entry;
 use kvblock::BlockHash;
-use kvcache::FixedState;
 
-type Map<K, V> = hashbrown::HashMap<K, V, FixedState>;
+use crate::Map;
 
 /// The union of the block chains of the requests in flight on one worker, and its size.
 ///

@@ -74,6 +74,10 @@ pub mod vllm;
 use std::fmt;
 use std::str::FromStr;
 
+/// The crate's maps: hashbrown with the fixed hasher, so no order that reaches an output varies
+/// between runs.
+pub(crate) type Map<K, V> = hashbrown::HashMap<K, V, kvcache::FixedState>;
+
 pub use groups::{CacheGroup, GroupRule};
 pub use kvblock::{BlockHash, BlockSize};
 pub use kvblock::{ExtraKeys, MultimodalSpan};

@@ -37,20 +37,11 @@ impl Ring {
             })
             .collect();
         fresh.sort_unstable();
-        // Merged into the sorted ring in one pass: sorting the whole ring on every add made
-        // registering N workers cost O(N^2 log N).
-        let old = std::mem::take(&mut self.points);
-        self.points.reserve(old.len() + fresh.len());
-        let (mut a, mut b) = (old.into_iter().peekable(), fresh.into_iter().peekable());
-        loop {
-            let next = match (a.peek(), b.peek()) {
-                (Some(x), Some(y)) if x <= y => a.next(),
-                (_, Some(_)) => b.next(),
-                (Some(_), None) => a.next(),
-                (None, None) => break,
-            };
-            self.points.extend(next);
-        }
+        // Two sorted runs: the stable sort finds them and merges them in one pass, where
+        // re-sorting the whole ring on every add made registering N workers O(N^2 log N).
+        // (Equal points are equal tuples, so stability changes nothing.)
+        self.points.extend(fresh);
+        self.points.sort();
     }
 
     pub(crate) fn remove(&mut self, w: WorkerId) {

@@ -4,7 +4,7 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use kvblock::{BlockHash, BlockHasher, BlockSize, ExtraKeys};
-use kvcache::{Applied, CacheIndex, FixedState, IndexSnapshot, KvEvent, Overlaps, Tier, WorkerId};
+use kvcache::{Applied, CacheIndex, IndexSnapshot, KvEvent, Overlaps, Tier, WorkerId};
 use rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 
@@ -14,10 +14,8 @@ use crate::model::sample_softmax;
 use crate::ring::Ring;
 use crate::{
     cost, prefill_aware_cost, BusyThreshold, CacheGroup, CostModel, Error, LoadChange, LoadDelta,
-    Policy, RequestId, Role, Salt, TierCredits,
+    Map, Policy, RequestId, Role, Salt, TierCredits,
 };
-
-type Map<K, V> = hashbrown::HashMap<K, V, FixedState>;
 
 /// The outcome of routing one request.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use hashbrown::hash_map::Entry;
 use kvblock::{BlockHash, BlockHasher, BlockSize, ExtraKeys};
-use kvcache::{FixedState, KvEvent, Tier, WorkerId};
+use kvcache::{KvEvent, Tier, WorkerId};
 
 use super::snapshot::FeedSnapshot;
 use super::wire::SGLANG_CACHE_SALT_PREFIX;
@@ -13,9 +13,7 @@ use super::{
     decode_event_batch, parse_seq_frame, BlockStored, EngineEvent, EngineHash, EventBatch,
     KeyValue, VllmError,
 };
-use crate::{CacheGroup, GroupRule, Router};
-
-type Map<K, V> = hashbrown::HashMap<K, V, FixedState>;
+use crate::{CacheGroup, GroupRule, Map, Router};
 
 /// What one call of [`VllmIngest`] did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
