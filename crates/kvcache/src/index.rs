@@ -646,9 +646,9 @@ impl CacheIndex {
         end
     }
 
-    /// For prefix-closed active workers only: finds the first position from `depth` where one
-    /// of them stops matching, probing `depth + 2^k - 1` (one batch of independent probes),
-    /// then binary-searching the stretch where the set shrank. Returns the depth reached.
+    /// For prefix-closed active workers only: probes `depth + 2^k - 1` (one batch of independent
+    /// probes) and, where the set shrank between two probes, searches that stretch for where
+    /// each run ends ([`first_lacked`](Self::first_lacked)). Returns the depth reached.
     fn jump(&self, chain: &[BlockHash], depth: usize, out: &mut Overlaps) -> usize {
         const PROBES: usize = 16;
         let n = chain.len();
@@ -666,25 +666,53 @@ impl CacheIndex {
             }
             step *= 2;
         }
-        // The first probed position some active worker lacks; before it, all hold everything.
-        let Some(k) = (0..count).find(|&k| !self.holds_all(&out.active, sets[k])) else {
-            return at[count - 1] + 1;
-        };
-        let (mut lo, mut hi) = (if k == 0 { depth } else { at[k - 1] + 1 }, at[k]);
-        let mut hi_set = sets[k];
-        // Invariant: all hold chain[..lo]; some active worker lacks chain[hi].
+        // Invariant: every active worker holds chain[..lo]. Probes all active workers hold are
+        // passed; at one some lack, the stretch before it is searched for the first position
+        // any of them lacks, they are dropped there, and the same probe is read again for the
+        // rest: one batch serves every run it brackets, instead of a new batch after each drop.
+        let mut lo = depth;
+        let mut k = 0;
+        while k < count {
+            if self.holds_all(&out.active, sets[k]) {
+                lo = at[k] + 1;
+                k += 1;
+                continue;
+            }
+            let (p, set) = self.first_lacked(chain, lo, at[k], sets[k], &out.active);
+            self.narrow(set, p, out);
+            lo = p + 1;
+            if out.active.is_empty() {
+                break;
+            }
+            if p == at[k] {
+                k += 1;
+            }
+        }
+        lo
+    }
+
+    /// The first position in `lo..=hi` that some worker of `active` lacks, and its holders, given
+    /// that all hold `chain[..lo]` and some lack `chain[hi]` (whose holders are `hi_set`): a
+    /// binary search, the fewest probes (each is a cache miss when the index is large).
+    fn first_lacked(
+        &self,
+        chain: &[BlockHash],
+        mut lo: usize,
+        mut hi: usize,
+        mut hi_set: WorkerSet,
+        active: &[(u32, u64)],
+    ) -> (usize, WorkerSet) {
         while lo < hi {
             let mid = lo + (hi - lo) / 2;
             let set = self.holders_of(&chain[mid]);
-            if self.holds_all(&out.active, set) {
+            if self.holds_all(active, set) {
                 lo = mid + 1;
             } else {
                 hi = mid;
                 hi_set = set;
             }
         }
-        self.narrow(hi_set, hi, out);
-        hi + 1
+        (hi, hi_set)
     }
 
     /// Every block with the dense indices of its holders (for snapshots).

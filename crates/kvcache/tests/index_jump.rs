@@ -56,6 +56,43 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Workers holding prefixes of one long chain, of any lengths: runs end anywhere, several
+    /// between two probes of one batch, and each must come out exact. Some workers also hold a
+    /// hole.
+    #[test]
+    fn runs_ending_between_probes_are_exact(
+        codes in prop::collection::vec(0u8..4, 1..160),
+        lens in prop::collection::vec(1usize..160, 1..70),
+        holes in prop::collection::vec((0usize..70, 0usize..160), 0..3),
+        cuts in prop::collection::vec((0usize..160, prop::collection::vec(0u8..4, 0..8)), 1..6),
+    ) {
+        let chain = path(&codes, 4);
+        let mut index = CacheIndex::new();
+        let workers = lens.len() as u64;
+        for (w, &len) in lens.iter().enumerate() {
+            let ev = KvEvent::Stored { parent: None, blocks: chain[..len.min(chain.len())].to_vec() };
+            index.apply(WorkerId::new(w as u64), 0, &ev).unwrap();
+        }
+        for &(w, at) in &holes {
+            let w = w % lens.len();
+            let ev = KvEvent::Removed { blocks: vec![chain[at % chain.len()]] };
+            index.apply(WorkerId::new(w as u64), 1, &ev).ok();
+        }
+        for (cut, tail) in cuts {
+            let mut q = codes.clone();
+            q.truncate(cut.min(q.len()).max(1));
+            q.extend(tail.iter().map(|c| c + 4));
+            let q = path(&q, 8);
+            let ov = index.overlaps(&q);
+            let got: Vec<usize> = (0..workers).map(|w| ov.get(WorkerId::new(w))).collect();
+            prop_assert_eq!(got, walked(&index, workers, &q));
+        }
+    }
+}
+
 /// A worker that evicted a middle block is walked; one that only stored is probed.
 #[test]
 fn holes_are_tracked_and_heal_when_empty() {
