@@ -2,7 +2,7 @@
 
 use kvblock::BlockHash;
 
-use crate::hasher::Map;
+use crate::hasher::{warm, Map, WARM};
 use crate::{Error, KvEvent, WorkerId};
 
 /// The workers holding one block, in 8 bytes so that a block map entry is 16 (four to a cache
@@ -435,19 +435,25 @@ impl CacheIndex {
                         });
                     }
                 }
-                for &b in blocks {
-                    let newly = add_holder(&mut self.blocks, &mut self.spill, b, idx);
-                    if newly {
-                        out.stored += 1;
-                    } else {
-                        out.already_present += 1;
+                for chunk in blocks.chunks(WARM) {
+                    warm(&self.blocks, chunk);
+                    for &b in chunk {
+                        let newly = add_holder(&mut self.blocks, &mut self.spill, b, idx);
+                        if newly {
+                            out.stored += 1;
+                        } else {
+                            out.already_present += 1;
+                        }
                     }
                 }
                 st.blocks += out.stored;
                 self.pairs += out.stored;
             }
             KvEvent::Removed { blocks } => {
-                for &b in blocks {
+                for (k, &b) in blocks.iter().enumerate() {
+                    if k % WARM == 0 {
+                        warm(&self.blocks, &blocks[k..(k + WARM).min(blocks.len())]);
+                    }
                     let removed = match self.blocks.entry(b) {
                         hashbrown::hash_map::Entry::Occupied(mut e) => {
                             let removed = e.get_mut().remove(idx, &mut self.spill);
