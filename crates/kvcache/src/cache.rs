@@ -3,7 +3,7 @@
 use crate::tier::HostTier;
 use kvblock::BlockHash;
 
-use crate::hasher::{warm, Map, WARM};
+use crate::hasher::{warm, Map, LOOKAHEAD};
 use crate::{Error, KvEvent};
 
 const NIL: u32 = u32::MAX;
@@ -315,8 +315,8 @@ impl BlockCache {
         // or a block after a gap.
         let mut fresh = self.slots.len();
         for (j, h) in new.iter().enumerate() {
-            if j % WARM == 0 {
-                warm(&self.map, &new[j..(j + WARM).min(new.len())]);
+            if j % LOOKAHEAD == 0 {
+                warm(&self.map, &new[j..(j + LOOKAHEAD).min(new.len())]);
             }
             if let hashbrown::hash_map::Entry::Vacant(v) = self.map.entry(*h) {
                 let s = match self.free.pop() {

@@ -2,7 +2,7 @@
 
 use kvblock::BlockHash;
 
-use crate::hasher::{warm, Map, WARM};
+use crate::hasher::{warm, Map, LOOKAHEAD};
 use crate::{Error, KvEvent, WorkerId};
 
 /// The workers holding one block, in 8 bytes so that a block map entry is 16 (four to a cache
@@ -435,15 +435,13 @@ impl CacheIndex {
                         });
                     }
                 }
-                for chunk in blocks.chunks(WARM) {
-                    warm(&self.blocks, chunk);
-                    for &b in chunk {
-                        let newly = add_holder(&mut self.blocks, &mut self.spill, b, idx);
-                        if newly {
-                            out.stored += 1;
-                        } else {
-                            out.already_present += 1;
-                        }
+                // Not warmed ahead (see `warm`): measured, it did not pay here.
+                for &b in blocks {
+                    let newly = add_holder(&mut self.blocks, &mut self.spill, b, idx);
+                    if newly {
+                        out.stored += 1;
+                    } else {
+                        out.already_present += 1;
                     }
                 }
                 st.blocks += out.stored;
@@ -451,8 +449,8 @@ impl CacheIndex {
             }
             KvEvent::Removed { blocks } => {
                 for (k, &b) in blocks.iter().enumerate() {
-                    if k % WARM == 0 {
-                        warm(&self.blocks, &blocks[k..(k + WARM).min(blocks.len())]);
+                    if k % LOOKAHEAD == 0 {
+                        warm(&self.blocks, &blocks[k..(k + LOOKAHEAD).min(blocks.len())]);
                     }
                     let removed = match self.blocks.entry(b) {
                         hashbrown::hash_map::Entry::Occupied(mut e) => {
@@ -673,9 +671,9 @@ impl CacheIndex {
             step *= 2;
         }
         // Invariant: every active worker holds chain[..lo]. Probes all active workers hold are
-        // passed; at one some lack, the stretch before it is searched for the first position
-        // any of them lacks, they are dropped there, and the same probe is read again for the
-        // rest: one batch serves every run it brackets, instead of a new batch after each drop.
+        // passed; at one some lack, `lo..=at[k]` is searched for the first position any of them
+        // lacks, they are dropped there, and the same probe is read again for the rest: one
+        // batch serves every run it brackets, instead of a new batch after each drop.
         let mut lo = depth;
         let mut k = 0;
         while k < count {
@@ -690,6 +688,7 @@ impl CacheIndex {
             if out.active.is_empty() {
                 break;
             }
+            // Only saves a read: the survivors hold chain[p], so when p is the probe they pass it.
             if p == at[k] {
                 k += 1;
             }

@@ -60,8 +60,8 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
     /// Workers holding prefixes of one long chain, of any lengths: runs end anywhere, several
-    /// between two probes of one batch, and each must come out exact. Some workers also hold a
-    /// hole.
+    /// between two probes of one batch, and each must come out exact. Up to three removals
+    /// inside workers' prefixes make holes.
     #[test]
     fn runs_ending_between_probes_are_exact(
         codes in prop::collection::vec(0u8..4, 1..160),
@@ -76,10 +76,13 @@ proptest! {
             let ev = KvEvent::Stored { parent: None, blocks: chain[..len.min(chain.len())].to_vec() };
             index.apply(WorkerId::new(w as u64), 0, &ev).unwrap();
         }
+        let mut ids = vec![1u64; lens.len()];
         for &(w, at) in &holes {
             let w = w % lens.len();
-            let ev = KvEvent::Removed { blocks: vec![chain[at % chain.len()]] };
-            index.apply(WorkerId::new(w as u64), 1, &ev).ok();
+            // Inside the worker's prefix, so that the removal makes a hole.
+            let ev = KvEvent::Removed { blocks: vec![chain[at % lens[w].min(chain.len())]] };
+            index.apply(WorkerId::new(w as u64), ids[w], &ev).unwrap();
+            ids[w] += 1;
         }
         for (cut, tail) in cuts {
             let mut q = codes.clone();
@@ -137,4 +140,28 @@ fn holes_are_tracked_and_heal_when_empty() {
         )
         .unwrap();
     assert!(index.may_have_holes(w0));
+}
+
+/// Runs past the end of one batch of strided probes (16 probes reach `depth + 2^15 - 1`), so
+/// the query takes a second batch; `iter` stays shortest first.
+#[test]
+fn runs_past_one_batch_of_probes() {
+    let chain = path(&vec![1; 70_000], 2);
+    let runs = [1, 2, 32_767, 32_768, 32_769, 40_000, 65_536, 70_000];
+    let mut index = CacheIndex::new();
+    for (w, &r) in runs.iter().enumerate() {
+        let ev = KvEvent::Stored {
+            parent: None,
+            blocks: chain[..r].to_vec(),
+        };
+        index.apply(WorkerId::new(w as u64), 0, &ev).unwrap();
+    }
+    let ov = index.overlaps(&chain);
+    let got: Vec<usize> = (0..runs.len() as u64)
+        .map(|w| ov.get(WorkerId::new(w)))
+        .collect();
+    assert_eq!(got, runs);
+    let order: Vec<usize> = ov.iter().map(|(_, r)| r).collect();
+    assert_eq!(order, runs);
+    assert_eq!(ov.max(), 70_000);
 }
