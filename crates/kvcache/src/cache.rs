@@ -3,7 +3,7 @@
 use crate::tier::HostTier;
 use kvblock::BlockHash;
 
-use crate::hasher::{warm, Map, LOOKAHEAD};
+use crate::hasher::{warm_ahead, Map};
 use crate::{Error, KvEvent};
 
 const NIL: u32 = u32::MAX;
@@ -315,9 +315,7 @@ impl BlockCache {
         // or a block after a gap.
         let mut fresh = self.slots.len();
         for (j, h) in new.iter().enumerate() {
-            if j % LOOKAHEAD == 0 {
-                warm(&self.map, &new[j..(j + LOOKAHEAD).min(new.len())]);
-            }
+            warm_ahead(&self.map, new, j);
             if let hashbrown::hash_map::Entry::Vacant(v) = self.map.entry(*h) {
                 let s = match self.free.pop() {
                     Some(s) => s,

@@ -2,7 +2,7 @@
 
 use kvblock::BlockHash;
 
-use crate::hasher::{warm, Map, LOOKAHEAD};
+use crate::hasher::{warm_ahead, Map};
 use crate::{Error, KvEvent, WorkerId};
 
 /// The workers holding one block, in 8 bytes so that a block map entry is 16 (four to a cache
@@ -435,7 +435,7 @@ impl CacheIndex {
                         });
                     }
                 }
-                // Not warmed ahead (see `warm`): measured, it did not pay here.
+                // Not warmed ahead (see `warm_ahead`): measured, it did not pay here.
                 for &b in blocks {
                     let newly = add_holder(&mut self.blocks, &mut self.spill, b, idx);
                     if newly {
@@ -449,9 +449,7 @@ impl CacheIndex {
             }
             KvEvent::Removed { blocks } => {
                 for (k, &b) in blocks.iter().enumerate() {
-                    if k % LOOKAHEAD == 0 {
-                        warm(&self.blocks, &blocks[k..(k + LOOKAHEAD).min(blocks.len())]);
-                    }
+                    warm_ahead(&self.blocks, blocks, k);
                     let removed = match self.blocks.entry(b) {
                         hashbrown::hash_map::Entry::Occupied(mut e) => {
                             let removed = e.get_mut().remove(idx, &mut self.spill);
