@@ -507,14 +507,32 @@ fn main() {
     let began = Instant::now();
     // `-- --workers 64` (or `8,256`) runs only those fleets.
     let args: Vec<String> = std::env::args().skip(1).collect();
+    const USAGE: &str = "usage: kvkit-vs-dynamo [--workers 8,64,256]";
     let only: Option<Vec<usize>> = match args.as_slice() {
         [] => None,
-        [flag, list] if flag == "--workers" => Some(
-            list.split(',')
-                .map(|w| w.parse().expect("--workers takes numbers: 8, 64, 256"))
-                .collect(),
-        ),
-        _ => panic!("usage: kvkit-vs-dynamo [--workers 8,64,256]"),
+        [flag] if flag == "--help" || flag == "-h" => {
+            println!("{USAGE}\n\nRuns kvkit's CacheIndex and dynamo-kv-router's indexers on one workload and prints the side-by-side table; --workers runs only the fleets listed (of 8, 64 and 256).");
+            return;
+        }
+        [flag, list] if flag == "--workers" => {
+            match list
+                .split(',')
+                .map(str::parse)
+                .collect::<Result<Vec<usize>, _>>()
+            {
+                Ok(v) if !v.is_empty() && v.iter().all(|w| [8, 64, 256].contains(w)) => Some(v),
+                _ => {
+                    eprintln!(
+                        "error: --workers: expected a list of 8, 64 and 256, got `{list}`\n{USAGE}"
+                    );
+                    std::process::exit(2);
+                }
+            }
+        }
+        _ => {
+            eprintln!("error: unexpected arguments `{}`\n{USAGE}", args.join(" "));
+            std::process::exit(2);
+        }
     };
     let fleets: Vec<(usize, usize)> = [(8usize, 64usize), (64, 64), (256, 128)]
         .into_iter()
