@@ -549,8 +549,11 @@ impl CacheIndex {
             return;
         };
         let mut buf = [(0, 0)];
-        out.active
-            .extend_from_slice(first.words(&self.spill, &mut buf));
+        // Element by element: `extend_from_slice` of a slice whose length is not known calls
+        // `memcpy`, most of the time for the one word of an inline set.
+        for &w in first.words(&self.spill, &mut buf) {
+            out.active.push(w);
+        }
         // Every active worker holds chain[..depth].
         let mut depth = 1;
         while depth < chain.len() && !out.active.is_empty() {
