@@ -507,6 +507,8 @@ fn main() {
     let began = Instant::now();
     // `-- --workers 64` (or `8,256`) runs only those fleets.
     let args: Vec<String> = std::env::args().skip(1).collect();
+    // (workers, chain depth) of each fleet.
+    const FLEETS: [(usize, usize); 3] = [(8, 64), (64, 64), (256, 128)];
     const USAGE: &str = "usage: kvkit-vs-dynamo [--workers 8,64,256]";
     let only: Option<Vec<usize>> = match args.as_slice() {
         [] => None,
@@ -520,7 +522,9 @@ fn main() {
                 .map(str::parse)
                 .collect::<Result<Vec<usize>, _>>()
             {
-                Ok(v) if !v.is_empty() && v.iter().all(|w| [8, 64, 256].contains(w)) => Some(v),
+                Ok(v) if !v.is_empty() && v.iter().all(|w| FLEETS.iter().any(|f| f.0 == *w)) => {
+                    Some(v)
+                }
                 _ => {
                     eprintln!(
                         "error: --workers: expected a list of 8, 64 and 256, got `{list}`\n{USAGE}"
@@ -534,7 +538,7 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let fleets: Vec<(usize, usize)> = [(8usize, 64usize), (64, 64), (256, 128)]
+    let fleets: Vec<(usize, usize)> = FLEETS
         .into_iter()
         .filter(|(w, _)| only.as_ref().is_none_or(|o| o.contains(w)))
         .collect();
