@@ -185,8 +185,8 @@ struct WorkerState {
     next_event: u64,
     blocks: usize,
     stale: bool,
-    /// The mirror may not be prefix-closed (a block removed while a block extending it may
-    /// stay, skipped events, a rejected store): queries walk this worker block by block.
+    /// The mirror may not be prefix-closed (a block was removed while a block extending it may
+    /// stay): queries walk this worker block by block.
     holey: bool,
 }
 
@@ -416,8 +416,8 @@ impl CacheIndex {
         };
         st.stale |= out.gap.is_some();
         st.next_event = event_id.saturating_add(1);
-        // Skipped events may have stored or removed anything.
-        let mut holey = st.holey || out.gap.is_some();
+        // Only what is applied shapes the mirror: skipped events leave it stale, not holey.
+        let mut holey = st.holey;
         match event {
             KvEvent::Stored { parent, blocks } => {
                 if let Some(p) = *parent {
@@ -426,8 +426,9 @@ impl CacheIndex {
                         .get(&p)
                         .is_some_and(|s| s.contains(idx, &self.spill))
                     {
+                        // Rejected, so the mirror is unchanged: stale (the engine holds blocks
+                        // it lacks), but no less prefix-closed than before.
                         st.stale = true;
-                        self.set_holey(idx, true);
                         return Err(Error::UnknownParent {
                             worker,
                             event_id,
@@ -777,10 +778,25 @@ impl CacheIndex {
         }
     }
 
-    /// Whether `worker`'s mirror may not be prefix-closed: since it was last empty, blocks were
-    /// removed (the index does not know whether a removed block was a leaf), events were
-    /// skipped or a store was rejected. [`overlaps`](Self::overlaps) walks such a worker block by
-    /// block; every other worker's run is found with a few probes.
+    /// Whether `worker`'s mirror may not be prefix-closed: since it was last empty, a `Removed`
+    /// event removed some of its blocks and left others (the index does not know whether a
+    /// removed block was a leaf). Only applied events shape the mirror, so a gap or a rejected
+    /// store makes the worker [stale](Self::is_stale), not holey: stores go under a parent the
+    /// worker holds, or start a chain. [`overlaps`](Self::overlaps) walks a holey worker block
+    /// by block; every other worker's run is found with a few probes.
+    ///
+    /// ```
+    /// use kvcache::{BlockHash, CacheIndex, KvEvent, WorkerId};
+    /// let (mut index, w) = (CacheIndex::new(), WorkerId::new(1));
+    /// let chain: Vec<BlockHash> = (1..=3).map(BlockHash::new).collect();
+    /// index.apply(w, 0, &KvEvent::Stored { parent: None, blocks: chain.clone() })?;
+    /// index.apply(w, 4, &KvEvent::Stored { parent: Some(chain[2]), blocks: vec![BlockHash::new(9)] })?;
+    /// assert!(index.is_stale(w) && !index.may_have_holes(w)); // a gap: stale, still closed
+    /// index.apply(w, 5, &KvEvent::Removed { blocks: vec![chain[1]] })?;
+    /// assert!(index.may_have_holes(w)); // block 3 (and 9) may stay without block 2
+    /// assert_eq!(index.overlaps(&chain).get(w), 1);
+    /// # Ok::<(), kvcache::Error>(())
+    /// ```
     pub fn may_have_holes(&self, worker: WorkerId) -> bool {
         self.state(worker).is_some_and(|s| s.holey)
     }

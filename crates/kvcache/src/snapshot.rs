@@ -36,7 +36,9 @@ pub struct WorkerSnapshot {
     /// The blocks it holds, in hash order.
     pub blocks: Vec<BlockHash>,
     /// Whether its mirror may have holes (see [`CacheIndex::may_have_holes`]); a snapshot
-    /// written without the field reads as `true`, the safe value.
+    /// written without the field reads as `true`, the safe value. [`CacheIndex::restore`]
+    /// trusts it (blocks carry no parents to check it against): `false` on blocks that are
+    /// not prefix-closed makes the worker's runs overcount.
     #[cfg_attr(feature = "serde", serde(default = "holes_unknown"))]
     pub may_have_holes: bool,
 }

@@ -96,7 +96,8 @@ proptest! {
     }
 }
 
-/// A worker that evicted a middle block is walked; one that only stored is probed.
+/// A worker that evicted a middle block is walked; one that only stored is probed, also after
+/// a gap or a rejected store.
 #[test]
 fn holes_are_tracked_and_heal_when_empty() {
     let mut index = CacheIndex::new();
@@ -128,7 +129,8 @@ fn holes_are_tracked_and_heal_when_empty() {
     assert_eq!((ov.get(w0), ov.get(w1)), (40, 17));
     index.apply(w1, 2, &KvEvent::Cleared).unwrap();
     assert!(!index.may_have_holes(w1));
-    // A gap may hide anything.
+    // A gap and a rejected store leave the mirror as it was: stale, still prefix-closed, and
+    // probed at strides with the same answer.
     index
         .apply(
             w0,
@@ -139,7 +141,14 @@ fn holes_are_tracked_and_heal_when_empty() {
             },
         )
         .unwrap();
-    assert!(index.may_have_holes(w0));
+    let unknown = path(&[0; 3], 2);
+    let rejected = KvEvent::Stored {
+        parent: Some(unknown[2]),
+        blocks: vec![long[39]],
+    };
+    assert!(index.apply(w0, 6, &rejected).is_err());
+    assert!(index.is_stale(w0) && !index.may_have_holes(w0));
+    assert_eq!(index.overlaps(&long).get(w0), 40);
 }
 
 /// Runs past the end of one batch of strided probes (16 probes reach `depth + 2^15 - 1`), so

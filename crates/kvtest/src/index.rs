@@ -56,6 +56,10 @@ pub enum Reject {
 pub struct Model {
     /// The registered workers.
     pub workers: BTreeMap<WorkerId, MWorker>,
+    /// Every block an accepted `Stored` event named, with the parent it was stored under
+    /// (`None`: the first block of a chain). Sequence hashes give a block one parent, so the
+    /// first record is the only one.
+    pub parents: BTreeMap<BlockHash, Option<BlockHash>>,
 }
 
 impl Model {
@@ -77,7 +81,10 @@ impl Model {
                     }
                 }
                 let (mut new, mut present) = (0, 0);
+                let mut up = *parent;
                 for b in blocks {
+                    self.parents.entry(*b).or_insert(up);
+                    up = Some(*b);
                     if st.blocks.insert(*b) {
                         new += 1
                     } else {
@@ -110,6 +117,18 @@ impl Model {
         self.workers.get_mut(&w).map_or(0, |s| {
             s.stale = false;
             std::mem::take(&mut s.blocks).len()
+        })
+    }
+    /// Whether worker `w`'s blocks are prefix-closed: each one's parent is held too.
+    pub fn closed(&self, w: WorkerId) -> bool {
+        self.workers.get(&w).is_none_or(|s| {
+            s.blocks.iter().all(|b| {
+                self.parents
+                    .get(b)
+                    .copied()
+                    .flatten()
+                    .is_none_or(|p| s.blocks.contains(&p))
+            })
         })
     }
     /// The leading run of `q` that worker `w` holds (0 for an unknown worker).
@@ -300,6 +319,12 @@ pub fn check(real: &CacheIndex, model: &Model) -> Result<(), String> {
         if let Some(b) = s.blocks.iter().find(|b| !real.holds(*w, **b)) {
             return Err(format!("{w} does not hold {b}"));
         }
+        // Queries probe a worker the index deems hole-free at strides: it must be so.
+        if !real.may_have_holes(*w) && !model.closed(*w) {
+            return Err(format!(
+                "{w} is not prefix-closed, yet the index says it has no holes"
+            ));
+        }
         let i = real.worker_index(*w).ok_or(format!("{w} has no index"))?;
         if real.worker_at(i) != Some(*w) || i >= real.index_bound() {
             return Err(format!("{w}: dense index {i} is wrong"));
@@ -350,13 +375,32 @@ pub mod strategy {
 
     use super::Op;
 
-    /// Up to 11 codes of a 2-letter alphabet: paths (see [`crate::chains`]) overlap often and
-    /// are long enough for the index's strided probes to skip blocks.
+    /// Mostly up to 11 codes of a 2-letter alphabet, so that paths (see [`crate::chains`])
+    /// overlap often; else a prefix of one of three fixed 90-code paths and up to 3 codes of
+    /// its own: long shared chains, on which the index's strided probes skip many blocks and
+    /// its searches end runs anywhere, and removals punch holes deep inside.
     pub fn codes() -> impl Strategy<Value = Vec<u8>> {
-        prop::collection::vec(0u8..2, 0..12)
+        prop_oneof![
+            3 => prop::collection::vec(0u8..2, 0..12),
+            1 => (0u64..3, 0usize..90, prop::collection::vec(0u8..2, 0..4)).prop_map(
+                |(base, len, tail)| {
+                    let mut codes: Vec<u8> = (0..len as u64).map(|i| long_code(base, i)).collect();
+                    codes.extend(tail);
+                    codes
+                }
+            ),
+        ]
     }
 
-    /// A chain of sequence hashes: the path of up to 5 codes.
+    /// Code `i` of fixed long path `base`: scrambled bits, so the three paths part early.
+    fn long_code(base: u64, i: u64) -> u8 {
+        let x = (base.wrapping_add(1))
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .wrapping_add(i.wrapping_mul(0xBF58_476D_1CE4_E5B9));
+        ((x ^ (x >> 29)) >> 63) as u8
+    }
+
+    /// A chain of sequence hashes: the path of [`codes`].
     pub fn blocks() -> impl Strategy<Value = Vec<BlockHash>> {
         codes().prop_map(|c| crate::chains::path(&c, 2))
     }
