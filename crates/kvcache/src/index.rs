@@ -334,6 +334,9 @@ pub struct CacheIndex {
     ids: Map<WorkerId, u32>,
     free: Vec<u32>,
     pairs: usize,
+    /// Trust that every `Removed` takes only blocks nothing held extends (see
+    /// [`set_tail_first`](CacheIndex::set_tail_first)).
+    tail_first: bool,
 }
 
 impl CacheIndex {
@@ -416,8 +419,10 @@ impl CacheIndex {
         };
         st.stale |= out.gap.is_some();
         st.next_event = event_id.saturating_add(1);
-        // Only what is applied shapes the mirror: skipped events leave it stale, not holey.
-        let mut holey = st.holey;
+        // Only what is applied shapes the mirror: skipped events leave it stale, not holey,
+        // unless removals are trusted to take leaves: a skipped `Removed` leaves blocks here
+        // that the engine no longer holds, under which its later removals are not leaves.
+        let mut holey = st.holey || (self.tail_first && out.gap.is_some());
         match event {
             KvEvent::Stored { parent, blocks } => {
                 if let Some(p) = *parent {
@@ -470,8 +475,8 @@ impl CacheIndex {
                 st.blocks -= out.removed;
                 self.pairs -= out.removed;
                 // The index does not know which removed block was a leaf of this worker: any
-                // removal that leaves blocks behind may have left a hole.
-                holey |= out.removed > 0;
+                // removal that leaves blocks behind may have left a hole, unless trusted.
+                holey |= out.removed > 0 && !self.tail_first;
             }
             KvEvent::Cleared => {
                 out.removed = st.blocks;
@@ -778,11 +783,52 @@ impl CacheIndex {
         }
     }
 
+    /// Trusts (or stops trusting) that the engines evict tail first: every `Removed` event takes
+    /// only blocks that no block the engine keeps extends, as [`BlockCache`](crate::BlockCache),
+    /// vLLM's prefix cache and SGLang's radix cache do, and each worker's events come from one
+    /// engine. A removal then leaves the mirror prefix-closed, and its queries keep probing at
+    /// strides; without the trust (the default) a worker's first removal makes it
+    /// [holey](Self::may_have_holes) until it is empty, and from then on it is walked block by
+    /// block, several times slower. In exchange a skipped event id makes the worker holey
+    /// (removals it missed may have left blocks that later removals are not leaves of).
+    ///
+    /// Trusting engines that break the rule (a sliding-window group dropping the blocks before
+    /// its window, several data-parallel ranks' events on one worker's stream) makes the runs of
+    /// the workers they feed overcount. The setting applies to events from now on; a worker
+    /// already holey stays so until it is empty. It is not part of a snapshot.
+    ///
+    /// ```
+    /// use kvcache::{BlockCache, CacheIndex, WorkerId};
+    /// use kvblock::BlockHash;
+    /// let chain: Vec<BlockHash> = (1..=4).map(BlockHash::new).collect();
+    /// let mut engine = BlockCache::new(Some(4));
+    /// engine.insert(&chain)?;
+    /// engine.insert(&[BlockHash::new(9)])?; // evicts block 4, the tail
+    /// let (mut index, w) = (CacheIndex::new(), WorkerId::new(0));
+    /// index.set_tail_first(true);
+    /// for (id, ev) in engine.drain_events().enumerate() {
+    ///     index.apply(w, id as u64, &ev)?;
+    /// }
+    /// assert!(!index.may_have_holes(w));
+    /// assert_eq!(index.overlaps(&chain).get(w), 3);
+    /// # Ok::<(), kvcache::Error>(())
+    /// ```
+    pub fn set_tail_first(&mut self, trust: bool) {
+        self.tail_first = trust;
+    }
+
+    /// Whether removals are trusted to take leaves ([`set_tail_first`](Self::set_tail_first)).
+    pub fn tail_first(&self) -> bool {
+        self.tail_first
+    }
+
     /// Whether `worker`'s mirror may not be prefix-closed: since it was last empty, a `Removed`
     /// event removed some of its blocks and left others (the index does not know whether a
-    /// removed block was a leaf). Only applied events shape the mirror, so a gap or a rejected
-    /// store makes the worker [stale](Self::is_stale), not holey: stores go under a parent the
-    /// worker holds, or start a chain. [`overlaps`](Self::overlaps) walks a holey worker block
+    /// removed block was a leaf), or, when removals are trusted to take leaves
+    /// ([`set_tail_first`](Self::set_tail_first)), event ids were skipped. Only applied events
+    /// shape the mirror, so a rejected store (and, by default, a gap) makes the worker
+    /// [stale](Self::is_stale), not holey: stores go under a parent the worker holds, or start
+    /// a chain. [`overlaps`](Self::overlaps) walks a holey worker block
     /// by block; every other worker's run is found with a few probes.
     ///
     /// ```

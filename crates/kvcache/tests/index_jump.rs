@@ -174,3 +174,32 @@ fn runs_past_one_batch_of_probes() {
     assert_eq!(order, runs);
     assert_eq!(ov.max(), 70_000);
 }
+
+/// Removals trusted to take leaves (`set_tail_first`) keep a worker probed at strides; a lost
+/// removal leaves a block in the mirror that the engine's next removal is not a leaf of, so a
+/// gap must make the worker holey, or the run would overcount (5 here, where 3 is right).
+#[test]
+fn a_lost_removal_under_trusted_removals_makes_the_worker_holey() {
+    let chain = path(&[1; 5], 2);
+    let mut index = CacheIndex::new();
+    index.set_tail_first(true);
+    let w = WorkerId::new(0);
+    let stored = KvEvent::Stored {
+        parent: None,
+        blocks: chain.clone(),
+    };
+    let removed = |i: usize| KvEvent::Removed {
+        blocks: vec![chain[i]],
+    };
+    // A tail-first engine: store the chain, evict its tail, store it again.
+    index.apply(w, 0, &stored).unwrap();
+    index.apply(w, 1, &removed(4)).unwrap();
+    assert!(!index.may_have_holes(w));
+    assert_eq!(index.overlaps(&chain).get(w), 4);
+    index.apply(w, 2, &stored).unwrap();
+    // It evicts block 4 again (lost on the way), then block 3, a leaf by then.
+    index.apply(w, 4, &removed(3)).unwrap();
+    assert!(index.holds(w, chain[4]) && !index.holds(w, chain[3]));
+    assert!(index.is_stale(w) && index.may_have_holes(w));
+    assert_eq!(index.overlaps(&chain).get(w), 3);
+}

@@ -131,6 +131,27 @@ impl Model {
             })
         })
     }
+    /// `blocks` without the ones that would not be leaves of worker `w` when removed in order
+    /// (a block it holds that a block it keeps extends): a `Removed` event of an engine that
+    /// evicts tail first, for `CacheIndex::set_tail_first`.
+    pub fn leaves_only(&self, w: WorkerId, blocks: &[BlockHash]) -> Vec<BlockHash> {
+        let mut held = self
+            .workers
+            .get(&w)
+            .map(|s| s.blocks.clone())
+            .unwrap_or_default();
+        let mut out = Vec::new();
+        for b in blocks {
+            let extended = held
+                .iter()
+                .any(|c| self.parents.get(c).copied().flatten() == Some(*b));
+            if !extended {
+                held.remove(b);
+                out.push(*b);
+            }
+        }
+        out
+    }
     /// The leading run of `q` that worker `w` holds (0 for an unknown worker).
     pub fn run(&self, w: WorkerId, q: &[BlockHash]) -> usize {
         self.workers
