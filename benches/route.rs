@@ -129,6 +129,16 @@ fn fixture(workers: usize) -> (Router, Vec<Prompt>) {
 /// [`fixture`] with a router built from `builder` (its block size, policy, weight and seed
 /// replaced by the fixture's).
 fn fixture_with(workers: usize, builder: RouterBuilder) -> (Router, Vec<Prompt>) {
+    fixture_of(workers, builder, false)
+}
+
+/// [`fixture_with`], then every worker evicts the tail block of the chain it stored last, as
+/// an engine under memory pressure does: the steady state of a fleet.
+fn fixture_evicted(workers: usize, builder: RouterBuilder) -> (Router, Vec<Prompt>) {
+    fixture_of(workers, builder, true)
+}
+
+fn fixture_of(workers: usize, builder: RouterBuilder, evict: bool) -> (Router, Vec<Prompt>) {
     let mut router = builder
         .block_size(BlockSize::new(BLOCK_SIZE).expect("non-zero"))
         .policy(Policy::Kv)
@@ -145,6 +155,7 @@ fn fixture_with(workers: usize, builder: RouterBuilder) -> (Router, Vec<Prompt>)
         let mut has_prefix = [false; PREFIXES];
         let mut has_doc = [[false; DOCS_PER_PREFIX]; PREFIXES];
         let mut event_id = 0;
+        let mut tail = None;
         while router.cache_view(id) < per_worker {
             let p = corpus.prompt();
             // As an engine reports it: the new part of the chain, under its resident parent.
@@ -165,6 +176,13 @@ fn fixture_with(workers: usize, builder: RouterBuilder) -> (Router, Vec<Prompt>)
                 .apply_event(id, event_id, &event)
                 .expect("consistent events");
             event_id += 1;
+            tail = p.blocks.last().copied();
+        }
+        if let (true, Some(tail)) = (evict, tail) {
+            let event = KvEvent::Removed { blocks: vec![tail] };
+            router
+                .apply_event(id, event_id, &event)
+                .expect("consistent events");
         }
     }
     let in_flight = IN_FLIGHT_PER_WORKER * workers as u64;
@@ -211,31 +229,44 @@ fn fixture_with(workers: usize, builder: RouterBuilder) -> (Router, Vec<Prompt>)
 fn route_only(c: &mut Criterion) {
     let mut group = c.benchmark_group("route");
     group.throughput(Throughput::Elements(1));
-    for &workers in &[8usize, 64, 256, 1_024] {
-        let (mut router, queries) = fixture(workers);
+    let fresh = [8usize, 64, 256, 1_024].map(|w| (w, "128 blocks", false, false));
+    // Every worker evicted once: walked block by block, unless removals are trusted to take
+    // leaves (`tail_first_evictions`), as engines evicting tail first allow.
+    let evicted = [64usize, 1_024].into_iter().flat_map(|w| {
+        [
+            (w, "128 blocks, every worker evicted", true, false),
+            (
+                w,
+                "128 blocks, every worker evicted, tail-first trusted",
+                true,
+                true,
+            ),
+        ]
+    });
+    for (workers, name, evict, trust) in fresh.into_iter().chain(evicted) {
+        let builder = Router::builder().tail_first_evictions(trust);
+        let (mut router, queries) = if evict {
+            fixture_evicted(workers, builder)
+        } else {
+            fixture_with(workers, builder)
+        };
         let mut request = 1u64 << 32;
-        group.bench_function(
-            BenchmarkId::new("128 blocks", format!("{workers} workers")),
-            |b| {
-                b.iter_custom(|iters| {
-                    let mut timed = Duration::ZERO;
-                    for _ in 0..iters {
-                        let q = &queries[request as usize % QUERIES];
-                        let start = Instant::now();
-                        let d = router.route(
-                            RequestId::new(request),
-                            black_box(&q.blocks),
-                            Role::Unified,
-                        );
-                        timed += start.elapsed();
-                        black_box(d.expect("routable"));
-                        router.finish(RequestId::new(request)).expect("in flight");
-                        request += 1;
-                    }
-                    timed
-                })
-            },
-        );
+        group.bench_function(BenchmarkId::new(name, format!("{workers} workers")), |b| {
+            b.iter_custom(|iters| {
+                let mut timed = Duration::ZERO;
+                for _ in 0..iters {
+                    let q = &queries[request as usize % QUERIES];
+                    let start = Instant::now();
+                    let d =
+                        router.route(RequestId::new(request), black_box(&q.blocks), Role::Unified);
+                    timed += start.elapsed();
+                    black_box(d.expect("routable"));
+                    router.finish(RequestId::new(request)).expect("in flight");
+                    request += 1;
+                }
+                timed
+            })
+        });
     }
     group.finish();
 }

@@ -81,6 +81,7 @@ pub struct RouterBuilder {
     busy: Option<BusyThreshold>,
     predicted_ttl: Duration,
     tier_credits: TierCredits,
+    tail_first: bool,
 }
 
 impl Default for RouterBuilder {
@@ -101,6 +102,7 @@ impl Default for RouterBuilder {
             busy: None,
             predicted_ttl: Duration::ZERO,
             tier_credits: TierCredits::default(),
+            tail_first: false,
         }
     }
 }
@@ -263,6 +265,30 @@ impl RouterBuilder {
         self
     }
 
+    /// Trusts that every engine evicts tail first (only blocks no resident block extends, as
+    /// vLLM's and SGLang's prefix caches and [`kvcache::BlockCache`] do) and sends its own
+    /// events: the index's queries then stay on strided probes after evictions instead of
+    /// walking each evicting worker block by block (see [`CacheIndex::set_tail_first`], whose
+    /// rules and risks this sets). Off by default.
+    ///
+    /// ```
+    /// use kvroute::{KvEvent, Role, Router, RequestId, WorkerId};
+    /// use kvblock::BlockHash;
+    /// let mut router = Router::builder().tail_first_evictions(true).build()?;
+    /// let w = WorkerId::new(1);
+    /// router.add_worker(w);
+    /// let blocks: Vec<BlockHash> = (1..=3).map(BlockHash::new).collect();
+    /// router.apply_event(w, 0, &KvEvent::Stored { parent: None, blocks: blocks.clone() })?;
+    /// router.apply_event(w, 1, &KvEvent::Removed { blocks: vec![blocks[2]] })?; // the tail
+    /// assert!(!router.index().may_have_holes(w));
+    /// assert_eq!(router.route(RequestId::new(1), &blocks, Role::Unified)?.cache_hits, 2);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn tail_first_evictions(mut self, trust: bool) -> Self {
+        self.tail_first = trust;
+        self
+    }
+
     /// Validates the settings and builds the router.
     pub fn build(self) -> Result<Router, Error> {
         let check = |name, w: f64| {
@@ -299,12 +325,14 @@ impl RouterBuilder {
                 value: self.virtual_nodes as u64,
                 expected: "1 to 65536",
             })?;
+        let mut index = CacheIndex::new();
+        index.set_tail_first(self.tail_first);
         Ok(Router {
             hasher: BlockHasher::new(self.block_size),
             ring: Ring::new(vnodes),
             rng: Xoshiro256PlusPlus::seed_from_u64(self.seed),
             config: self,
-            index: CacheIndex::new(),
+            index,
             slots: Vec::new(),
             active: Vec::new(),
             pending: Vec::new(),
@@ -765,6 +793,7 @@ impl Router {
     /// that is starting: in-flight load is reset (finishing an earlier request is still fine).
     pub fn restore_index(&mut self, snapshot: IndexSnapshot) -> Result<(), Error> {
         let mut index = CacheIndex::restore(snapshot)?;
+        index.set_tail_first(self.config.tail_first);
         let keep = self.workers();
         for &w in &keep {
             index.add_worker(w)?;

@@ -109,6 +109,12 @@ pub struct Config {
     /// events confirm them (0 = off), milliseconds.
     #[arg(long, default_value_t = 0, value_name = "MS")]
     pub predicted_ttl_ms: u64,
+    /// Trust that every worker's engine evicts tail first (full-attention prefix caches of vLLM
+    /// and SGLang, kvmock) and sends its own events: a worker that evicted keeps the index's
+    /// strided search (about 3x faster at 64 workers) instead of a block-by-block walk. A
+    /// worker whose events break the rule gets overcounted hits.
+    #[arg(long)]
+    pub tail_first_evictions: bool,
     /// LoRA adapters the workers serve (vLLM's NAME=PATH form accepted, the path ignored): a
     /// request whose model names one is hashed with the adapter's name, as vLLM hashes it.
     /// Adapters the workers list in /v1/models (with a parent) are learned as well, every 2 s.

@@ -182,6 +182,7 @@ impl Server {
             .cost_model(cfg.cost_model.0)
             .temperature(cfg.router_temperature)
             .predicted_ttl(std::time::Duration::from_millis(cfg.predicted_ttl_ms))
+            .tail_first_evictions(cfg.tail_first_evictions)
             .build()
             .map_err(setting)?;
         let text = match &cfg.router_tokenizer_path {

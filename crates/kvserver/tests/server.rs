@@ -289,6 +289,7 @@ fn the_routing_model_options_route_and_release() {
             "decode=0.9,capacity=4096,prefill-tokens=65536",
             "--predicted-ttl-ms",
             "2000",
+            "--tail-first-evictions",
         ],
     );
     let prompt: Vec<u32> = (0..64).collect();

@@ -52,7 +52,11 @@ impl Routers {
                     // only bounds how long finished ones are remembered: a simulated day.
                     b = b.replica(r as u64).remote_load_ttl(SYNC_TTL);
                 }
+                // Every engine's cache evicts tail first; only ranks sharing a worker's stream
+                // (routed by engine) break the trust, as one rank's removal is not the others'.
+                let own_stream = cfg.dp_routing != DpRouting::Engine || cfg.dp_ranks == 1;
                 let mut router = b
+                    .tail_first_evictions(own_stream)
                     .tier_credits(kvroute::TierCredits::new(cfg.host_hit_credit, 0.0))
                     .cost_model(cfg.cost_model)
                     .temperature(cfg.router_temperature)
