@@ -15,6 +15,18 @@ use crate::timing::TimingModel;
 /// any request's life.
 const SYNC_TTL: std::time::Duration = std::time::Duration::from_secs(86_400);
 
+/// In every simulated run under test: the index's runs (probed at strides for the workers it
+/// deems hole-free, which with trusted tail-first evictions is nearly all) equal a walk of its
+/// mirror, which fails if an engine ever removed a block its cache still extends.
+#[cfg(test)]
+fn exact_runs(index: &kvcache::CacheIndex, blocks: &[BlockHash]) {
+    let ov = index.overlaps(blocks);
+    for w in index.workers() {
+        let walked = blocks.iter().take_while(|b| index.holds(w, **b)).count();
+        assert_eq!(ov.get(w), walked, "{w}: strided run against the walk");
+    }
+}
+
 /// Router replicas of one pool; engine events go to all of them.
 pub(crate) struct Routers {
     pub(crate) replicas: Vec<Router>,
@@ -88,6 +100,8 @@ impl Routers {
         self.next = (self.next + 1) % self.replicas.len();
         let router = &mut self.replicas[r];
         router.set_clock(std::time::Duration::from_micros(now_us));
+        #[cfg(test)]
+        exact_runs(router.index(), blocks);
         let d = router.route(RequestId::new(id as u64), blocks, self.role)?;
         Ok((r, d.worker.get() as usize))
     }

@@ -1451,6 +1451,41 @@ mod tests {
         assert_eq!(fast, slow);
     }
 
+    /// The routers trust their engines to evict tail first (`tail_first_evictions`): under
+    /// eviction pressure, with a host tier and data-parallel ranks, no worker is ever walked
+    /// block by block, and every route's runs equal a walk of the mirror (checked before each
+    /// route in tests: [`crate::fleet`]'s `exact_runs`).
+    #[test]
+    fn trusted_routers_probe_exactly_under_eviction() {
+        for (dp_ranks, host) in [(1, None), (2, Some(300)), (1, Some(300))] {
+            let cfg = SimConfig {
+                instances: 3,
+                dp_ranks,
+                host_kv_blocks: host,
+                kv_blocks: Some(400),
+                block_size: BlockSize::new(16).unwrap(),
+                input_len: 1500,
+                prefix_len: 600,
+                num_prefixes: 3,
+                output_len: 20,
+                num_requests: 150,
+                request_rate: 40.0,
+                ..SimConfig::default()
+            };
+            cfg.validate().unwrap();
+            let (records, routers, _) = finished_run(&cfg);
+            assert!(records.engines.iter().all(|e| e.evictions > 0));
+            for r in &routers {
+                assert!(r.index().tail_first());
+                assert!(r
+                    .index()
+                    .workers()
+                    .iter()
+                    .all(|&w| !r.index().may_have_holes(w)));
+            }
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(160))]
         /// Skipping quiet steps changes nothing the routers see (the records, and when each
