@@ -38,8 +38,8 @@ use std::time::{Duration, Instant};
 use dynamo_kv_router::indexer::positional::{LevelIndex, SearchMode};
 use dynamo_kv_router::protocols::{
     compute_seq_hash_for_block, BlockHashOptions, ExternalSequenceBlockHash, KvCacheEvent,
-    KvCacheEventData, KvCacheStoreData, KvCacheStoredBlockData, LocalBlockHash as DynLocal,
-    OverlapScores, RouterEvent, WorkerWithDpRank,
+    KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData,
+    LocalBlockHash as DynLocal, OverlapScores, RouterEvent, WorkerWithDpRank,
 };
 use dynamo_kv_router::{compute_block_hash_for_seq, PositionalIndexer, RadixTree, SyncIndexer};
 use kvblock::{BlockHash, BlockHasher, BlockSize};
@@ -509,50 +509,121 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     // (workers, chain depth) of each fleet.
     const FLEETS: [(usize, usize); 3] = [(8, 64), (64, 64), (256, 128)];
-    const USAGE: &str = "usage: kvkit-vs-dynamo [--workers 8,64,256]";
-    let only: Option<Vec<usize>> = match args.as_slice() {
-        [] => None,
-        [flag] if flag == "--help" || flag == "-h" => {
-            println!("{USAGE}\n\nRuns kvkit's CacheIndex and dynamo-kv-router's indexers on one workload and prints the side-by-side table; --workers runs only the fleets listed (of 8, 64 and 256).");
-            return;
+    const USAGE: &str = "usage: kvkit-vs-dynamo [--workers 8,64,256] [--evicted [--tail-first]]";
+    let (mut evicted, mut tail_first, mut only) = (false, false, None);
+    let mut rest = args.iter();
+    while let Some(flag) = rest.next() {
+        match flag.as_str() {
+            "--help" | "-h" => {
+                println!(
+                    "{USAGE}\n\nRuns kvkit's CacheIndex and dynamo-kv-router's indexers on one workload and prints the side-by-side table.\n\n  \
+                     --workers LIST  only the fleets listed (of 8, 64 and 256)\n  \
+                     --evicted       before the queries, every worker of every index stores one block of its own and evicts it:\n                  \
+                     the content is unchanged, but kvkit's index walks each such worker block by block\n  \
+                     --tail-first    with --evicted: kvkit's index trusts removals to take leaves (CacheIndex::set_tail_first)"
+                );
+                return;
+            }
+            "--evicted" => evicted = true,
+            "--tail-first" => tail_first = true,
+            "--workers" => {
+                only = Some(workers_list(
+                    rest.next().map_or("", String::as_str),
+                    &FLEETS,
+                    USAGE,
+                ))
+            }
+            other => {
+                eprintln!("error: unexpected argument `{other}`\n{USAGE}");
+                std::process::exit(2);
+            }
         }
-        [flag, list] if flag == "--workers" => {
-            match list
-                .split(',')
-                .map(str::parse)
-                .collect::<Result<Vec<usize>, _>>()
-            {
-                Ok(v) if !v.is_empty() && v.iter().all(|w| FLEETS.iter().any(|f| f.0 == *w)) => {
-                    Some(v)
-                }
-                _ => {
-                    eprintln!(
-                        "error: --workers: expected a list of 8, 64 and 256, got `{list}`\n{USAGE}"
-                    );
-                    std::process::exit(2);
+    }
+    if tail_first && !evicted {
+        eprintln!("error: --tail-first: only with --evicted\n{USAGE}");
+        std::process::exit(2);
+    }
+    let fleets: Vec<(usize, usize)> = FLEETS
+        .into_iter()
+        .filter(|(w, _)| only.as_ref().is_none_or(|o: &Vec<usize>| o.contains(w)))
+        .collect();
+    run(&fleets, evicted, tail_first, began);
+}
+
+/// `--workers`' list, each one of `fleets`' sizes; exits 2 naming the flag otherwise.
+fn workers_list(list: &str, fleets: &[(usize, usize)], usage: &str) -> Vec<usize> {
+    match list
+        .split(',')
+        .map(str::parse)
+        .collect::<Result<Vec<usize>, _>>()
+    {
+        Ok(v) if !v.is_empty() && v.iter().all(|w| fleets.iter().any(|f| f.0 == *w)) => v,
+        _ => {
+            eprintln!("error: --workers: expected a list of 8, 64 and 256, got `{list}`\n{usage}");
+            std::process::exit(2);
+        }
+    }
+}
+
+/// Every worker of `index` stores one root block of its own and evicts it.
+fn evict_once(index: &mut Index, fleet: &Fleet) {
+    let mut tokens = Vec::new();
+    let hasher = BlockHasher::new(BlockSize::new(BLOCK_TOKENS).expect("non-zero"));
+    for w in 0..fleet.workers {
+        tokens.clear();
+        block_tokens(&mut tokens, 4, w as u64, 0, 0);
+        let chain = Chain::hash(&tokens, &hasher);
+        // After the fleet's own events, whose ids are 0..n per worker.
+        let id = (fleet.chains_per_worker * (fleet.depth / EVENT_BLOCKS)) as u64;
+        match &mut *index {
+            Index::Ours(i) => {
+                let wid = WorkerId::new(w as u64);
+                let stored = KvEvent::Stored {
+                    parent: None,
+                    blocks: chain.ours.clone(),
+                };
+                i.apply(wid, id, &stored).expect("applies");
+                i.apply(wid, id + 1, &KvEvent::Removed { blocks: chain.ours })
+                    .expect("applies");
+            }
+            other => {
+                let stored = KvCacheEventData::Stored(KvCacheStoreData {
+                    parent_hash: None,
+                    start_position: None,
+                    blocks: vec![KvCacheStoredBlockData {
+                        block_hash: chain.seq[0],
+                        tokens_hash: chain.local[0],
+                        mm_extra_info: None,
+                    }],
+                });
+                let removed = KvCacheEventData::Removed(KvCacheRemoveData {
+                    block_hashes: chain.seq.clone(),
+                });
+                for (k, data) in [stored, removed].into_iter().enumerate() {
+                    let event = KvCacheEvent {
+                        event_id: id + k as u64,
+                        data,
+                        dp_rank: 0,
+                    };
+                    other.apply(Event::Dynamo(RouterEvent::new(w as u64, event)));
                 }
             }
         }
-        _ => {
-            eprintln!("error: unexpected arguments `{}`\n{USAGE}", args.join(" "));
-            std::process::exit(2);
-        }
-    };
-    let fleets: Vec<(usize, usize)> = FLEETS
-        .into_iter()
-        .filter(|(w, _)| only.as_ref().is_none_or(|o| o.contains(w)))
-        .collect();
+    }
+}
+
+fn run(fleets: &[(usize, usize)], evicted: bool, tail_first: bool, began: Instant) {
     let mut full_rows = Vec::new();
     let mut partial_rows = Vec::new();
     let mut ingest_rows = Vec::new();
     let mut memory_rows = Vec::new();
 
-    for (workers, depth) in fleets {
+    for &(workers, depth) in fleets {
         let fleet = Fleet::new(workers, depth);
 
         // Memory (and the indexes the queries run against).
         let mut memory = [0.0; 4];
-        let indexes: Vec<Index> = KINDS
+        let mut indexes: Vec<Index> = KINDS
             .iter()
             .enumerate()
             .map(|(k, &kind)| {
@@ -561,6 +632,18 @@ fn main() {
                 index
             })
             .collect();
+        if evicted {
+            for index in &mut indexes {
+                if let Index::Ours(i) = index {
+                    i.set_tail_first(tail_first);
+                }
+                evict_once(index, &fleet);
+            }
+            if let Index::Ours(i) = &indexes[3] {
+                let walked = (0..workers).filter(|&w| i.may_have_holes(WorkerId::new(w as u64)));
+                assert_eq!(walked.count(), if tail_first { 0 } else { workers });
+            }
+        }
         let distinct = match &indexes[3] {
             Index::Ours(i) => i.distinct_blocks(),
             _ => unreachable!(),
@@ -624,12 +707,17 @@ fn main() {
             let values = std::array::from_fn(|k| median(samples[k].clone()));
             let row = Row {
                 label: format!(
-                    "query {}, {}, {workers} workers, {depth} blocks",
+                    "query {}, {}, {workers} workers, {depth} blocks{}",
                     if full { "full-hit" } else { "partial-hit" },
                     if hot {
                         format!("hot ({HOT} prompts)")
                     } else {
                         format!("varied ({QUERIES} prompts)")
+                    },
+                    match (evicted, tail_first) {
+                        (false, _) => "",
+                        (true, false) => ", every worker evicted once",
+                        (true, true) => ", every worker evicted once, kvkit trusting tail-first",
                     }
                 ),
                 unit: Unit::Micros,
