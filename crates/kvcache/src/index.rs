@@ -298,9 +298,9 @@ impl Overlaps {
 ///   idle workers. Keys are sequence hashes (a hash names a block *and its whole prefix*), so
 ///   a worker whose mirror is prefix-closed is probed at doubling strides, with a binary search
 ///   where the matching set shrinks: a 128-block hit costs about a dozen probes. A worker that
-///   [may have holes](Self::may_have_holes) (it removed blocks, skipped events or had a store
-///   rejected since it was last empty) is walked block by block while it still matches, so every
-///   run is exact. Hashes that break the contract (one hash after two different parents) are
+///   [may have holes](Self::may_have_holes) (it removed blocks since it was last empty, unless
+///   removals are [trusted to take leaves](Self::set_tail_first)) is walked block by block while
+///   it still matches, so every run is exact. Hashes that break the contract (one hash after two different parents) are
 ///   outside it: runs may then count a block whose prefix differs.
 /// - Workers are numbered with dense indices (reused after removal) so callers can keep
 ///   per-worker arrays; `Cleared` and [`remove_worker`](Self::remove_worker) scan all blocks.
@@ -421,8 +421,9 @@ impl CacheIndex {
         st.next_event = event_id.saturating_add(1);
         // Only what is applied shapes the mirror: skipped events leave it stale, not holey,
         // unless removals are trusted to take leaves: a skipped `Removed` leaves blocks here
-        // that the engine no longer holds, under which its later removals are not leaves.
-        let mut holey = st.holey || (self.tail_first && out.gap.is_some());
+        // that the engine no longer holds, under which its later removals are not leaves. So a
+        // trusted worker is holey while it is stale.
+        let mut holey = st.holey || (self.tail_first && st.stale);
         match event {
             KvEvent::Stored { parent, blocks } => {
                 if let Some(p) = *parent {
@@ -432,8 +433,11 @@ impl CacheIndex {
                         .is_some_and(|s| s.contains(idx, &self.spill))
                     {
                         // Rejected, so the mirror is unchanged: stale (the engine holds blocks
-                        // it lacks), but no less prefix-closed than before.
+                        // it lacks), but no less prefix-closed than before; trusted, holey
+                        // with the staleness (a gap this event carried, above all).
                         st.stale = true;
+                        let holey = (st.holey || self.tail_first) && st.blocks > 0;
+                        self.set_holey(idx, holey);
                         return Err(Error::UnknownParent {
                             worker,
                             event_id,
@@ -789,13 +793,17 @@ impl CacheIndex {
     /// engine. A removal then leaves the mirror prefix-closed, and its queries keep probing at
     /// strides; without the trust (the default) a worker's first removal makes it
     /// [holey](Self::may_have_holes) until it is empty, and from then on it is walked block by
-    /// block, several times slower. In exchange a skipped event id makes the worker holey
-    /// (removals it missed may have left blocks that later removals are not leaves of).
+    /// block, several times slower. In exchange a [stale](Self::is_stale) worker (skipped event
+    /// ids, a rejected store) is holey until it is empty: removals it missed may have left
+    /// blocks that later removals are not leaves of. Turning the trust on marks the stale
+    /// workers holey at once; a worker already holey stays so until it is empty. The setting is
+    /// not part of a snapshot: set it again after [`restore`](Self::restore).
     ///
     /// Trusting engines that break the rule (a sliding-window group dropping the blocks before
     /// its window, several data-parallel ranks' events on one worker's stream) makes the runs of
-    /// the workers they feed overcount. The setting applies to events from now on; a worker
-    /// already holey stays so until it is empty. It is not part of a snapshot.
+    /// the workers they feed overcount. vLLM may hold two copies of one block and report each
+    /// one's removal: after the first the mirror lacks a block the engine still holds, and a
+    /// trusted run may pass it, as the engine's own run does.
     ///
     /// ```
     /// use kvcache::{BlockCache, CacheIndex, WorkerId};
@@ -815,6 +823,19 @@ impl CacheIndex {
     /// ```
     pub fn set_tail_first(&mut self, trust: bool) {
         self.tail_first = trust;
+        if trust {
+            // Stale workers may hold blocks whose removal was lost (the same rule as `apply`).
+            let stale: Vec<u32> = (0..self.workers.len() as u32)
+                .filter(|&i| {
+                    self.workers[i as usize]
+                        .as_ref()
+                        .is_some_and(|s| s.stale && s.blocks > 0)
+                })
+                .collect();
+            for i in stale {
+                self.set_holey(i, true);
+            }
+        }
     }
 
     /// Whether removals are trusted to take leaves ([`set_tail_first`](Self::set_tail_first)).
@@ -825,10 +846,9 @@ impl CacheIndex {
     /// Whether `worker`'s mirror may not be prefix-closed: since it was last empty, a `Removed`
     /// event removed some of its blocks and left others (the index does not know whether a
     /// removed block was a leaf), or, when removals are trusted to take leaves
-    /// ([`set_tail_first`](Self::set_tail_first)), event ids were skipped. Only applied events
-    /// shape the mirror, so a rejected store (and, by default, a gap) makes the worker
-    /// [stale](Self::is_stale), not holey: stores go under a parent the worker holds, or start
-    /// a chain. [`overlaps`](Self::overlaps) walks a holey worker block
+    /// ([`set_tail_first`](Self::set_tail_first)), the worker is [stale](Self::is_stale). By
+    /// default a gap or a rejected store makes the worker stale, not holey: only applied events
+    /// shape the mirror, and stores go under a parent the worker holds, or start a chain. [`overlaps`](Self::overlaps) walks a holey worker block
     /// by block; every other worker's run is found with a few probes.
     ///
     /// ```

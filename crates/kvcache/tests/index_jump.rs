@@ -203,3 +203,62 @@ fn a_lost_removal_under_trusted_removals_makes_the_worker_holey() {
     assert!(index.is_stale(w) && index.may_have_holes(w));
     assert_eq!(index.overlaps(&chain).get(w), 3);
 }
+
+/// Trusted removals: a gap whose first event is a store under a lost parent (rejected) still
+/// makes the worker holey, or the engine's next eviction would leave a hole the strided probes
+/// pass (5 against 3).
+#[test]
+fn a_gap_carried_by_a_rejected_store_makes_the_worker_holey() {
+    let chain = path(&[1; 5], 2);
+    let lost = path(&[0; 2], 2);
+    let w = WorkerId::new(0);
+    let mut index = CacheIndex::new();
+    index.set_tail_first(true);
+    let stored = KvEvent::Stored {
+        parent: None,
+        blocks: chain.clone(),
+    };
+    index.apply(w, 0, &stored).unwrap();
+    // Lost: the engine evicted block 4 (the tail) and stored `lost[0]`.
+    let rejected = KvEvent::Stored {
+        parent: Some(lost[0]),
+        blocks: vec![lost[1]],
+    };
+    assert!(index.apply(w, 3, &rejected).is_err());
+    assert!(index.is_stale(w) && index.may_have_holes(w));
+    // The engine evicts block 3, a leaf by then; the mirror keeps block 4.
+    let removed = KvEvent::Removed {
+        blocks: vec![chain[3]],
+    };
+    index.apply(w, 4, &removed).unwrap();
+    assert_eq!(index.overlaps(&chain).get(w), 3);
+}
+
+/// Trust switched on over a stale worker (or a default-mode snapshot restored into a trusting
+/// router): the stale worker becomes holey, since its lost removals are unaccounted for.
+#[test]
+fn trusting_a_stale_worker_makes_it_holey() {
+    let chain = path(&[1; 5], 2);
+    let w = WorkerId::new(0);
+    let mut index = CacheIndex::new();
+    let stored = KvEvent::Stored {
+        parent: None,
+        blocks: chain.clone(),
+    };
+    index.apply(w, 0, &stored).unwrap();
+    // Id 1 (the removal of block 4) is lost; a gap is staleness only, by default.
+    let other = KvEvent::Stored {
+        parent: None,
+        blocks: path(&[0], 2),
+    };
+    index.apply(w, 2, &other).unwrap();
+    assert!(index.is_stale(w) && !index.may_have_holes(w));
+    let mut index = CacheIndex::restore(index.snapshot()).unwrap();
+    index.set_tail_first(true);
+    assert!(index.may_have_holes(w));
+    let removed = KvEvent::Removed {
+        blocks: vec![chain[3]],
+    };
+    index.apply(w, 3, &removed).unwrap();
+    assert_eq!(index.overlaps(&chain).get(w), 3);
+}

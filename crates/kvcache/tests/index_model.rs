@@ -52,6 +52,11 @@ proptest! {
             }
             // A snapshot does not carry the setting.
             real.set_tail_first(true);
+            // Trusted, removals never make holes; staleness (a gap, a rejected store) does.
+            for &w in model.workers.keys() {
+                let want = real.is_stale(w) && real.block_count(w) > 0;
+                prop_assert_eq!(real.may_have_holes(w), want, "{} after {:?}", w, op);
+            }
         }
     }
 

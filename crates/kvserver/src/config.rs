@@ -111,8 +111,9 @@ pub struct Config {
     pub predicted_ttl_ms: u64,
     /// Trust that every worker's engine evicts tail first (full-attention prefix caches of vLLM
     /// and SGLang, kvmock) and sends its own events: a worker that evicted keeps the index's
-    /// strided search (about 3x faster at 64 workers) instead of a block-by-block walk. A
-    /// worker whose events break the rule gets overcounted hits.
+    /// strided search (about 3x faster at 64 workers) instead of a block-by-block walk; a
+    /// stale worker is walked. A worker whose events break the rule (a sliding-window-only
+    /// model, a KV-cache group whose kind the events do not name) gets overcounted hits.
     #[arg(long)]
     pub tail_first_evictions: bool,
     /// LoRA adapters the workers serve (vLLM's NAME=PATH form accepted, the path ignored): a
