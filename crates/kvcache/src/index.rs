@@ -300,8 +300,8 @@ impl Overlaps {
 ///   where the matching set shrinks: a 128-block hit costs about a dozen probes. A worker that
 ///   [may have holes](Self::may_have_holes) (it removed blocks since it was last empty, unless
 ///   removals are [trusted to take leaves](Self::set_tail_first)) is walked block by block while
-///   it still matches, so every run is exact. Hashes that break the contract (one hash after two different parents) are
-///   outside it: runs may then count a block whose prefix differs.
+///   it still matches, so every run is exact. Hashes that break the contract (one hash after
+///   two different parents) are outside it: runs may then count a block whose prefix differs.
 /// - Workers are numbered with dense indices (reused after removal) so callers can keep
 ///   per-worker arrays; `Cleared` and [`remove_worker`](Self::remove_worker) scan all blocks.
 ///
@@ -848,8 +848,9 @@ impl CacheIndex {
     /// removed block was a leaf), or, when removals are trusted to take leaves
     /// ([`set_tail_first`](Self::set_tail_first)), the worker is [stale](Self::is_stale). By
     /// default a gap or a rejected store makes the worker stale, not holey: only applied events
-    /// shape the mirror, and stores go under a parent the worker holds, or start a chain. [`overlaps`](Self::overlaps) walks a holey worker block
-    /// by block; every other worker's run is found with a few probes.
+    /// shape the mirror, and stores go under a parent the worker holds, or start a chain.
+    /// [`overlaps`](Self::overlaps) walks a holey worker block by block; every other worker's
+    /// run is found with a few probes.
     ///
     /// ```
     /// use kvcache::{BlockHash, CacheIndex, KvEvent, WorkerId};
