@@ -920,6 +920,24 @@ impl CacheIndex {
         self.workers.get(i as usize)?.as_ref()
     }
 
+    /// Checks that every worker's run of `chain` from [`overlaps`](Self::overlaps) (probed at
+    /// strides where the worker is deemed hole-free) equals a block-by-block walk of the mirror;
+    /// tests of code that feeds the index call it, as `check_invariants`.
+    #[doc(hidden)]
+    pub fn check_runs(&self, chain: &[BlockHash]) -> Result<(), String> {
+        let ov = self.overlaps(chain);
+        for w in self.workers() {
+            let walked = chain.iter().take_while(|b| self.holds(w, **b)).count();
+            if ov.get(w) != walked {
+                return Err(format!(
+                    "{w}: run {} where the walk gives {walked}",
+                    ov.get(w)
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Checks the bookkeeping against the block map; property tests call it after every step.
     #[doc(hidden)]
     pub fn check_invariants(&self) -> Result<(), String> {

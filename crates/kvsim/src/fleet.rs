@@ -20,10 +20,8 @@ const SYNC_TTL: std::time::Duration = std::time::Duration::from_secs(86_400);
 /// mirror, which fails if an engine ever removed a block its cache still extends.
 #[cfg(test)]
 fn exact_runs(index: &kvcache::CacheIndex, blocks: &[BlockHash]) {
-    let ov = index.overlaps(blocks);
-    for w in index.workers() {
-        let walked = blocks.iter().take_while(|b| index.holds(w, **b)).count();
-        assert_eq!(ov.get(w), walked, "{w}: strided run against the walk");
+    if let Err(e) = index.check_runs(blocks) {
+        panic!("strided runs against the walk: {e}");
     }
 }
 
