@@ -1486,6 +1486,37 @@ mod tests {
         }
     }
 
+    /// Ranks routed by their engine share one worker's event stream, so one rank can evict a
+    /// block another rank's longer chain extends: the mirror then has a hole, and such routers
+    /// must not trust tail-first evictions. This run makes such holes where later turns run
+    /// over them: trusted, the runs checked before every route (`exact_runs`) differ from a
+    /// walk of the mirror, and the run panics.
+    #[test]
+    fn engine_routed_ranks_are_walked_where_they_have_holes() {
+        let cfg = SimConfig {
+            instances: 2,
+            dp_ranks: 2,
+            dp_routing: crate::config::DpRouting::Engine,
+            kv_blocks: Some(40),
+            block_size: BlockSize::new(16).unwrap(),
+            sessions: Some(10),
+            turns: 10,
+            think_us: 1_000,
+            input_len: 64,
+            prefix_len: 32,
+            num_prefixes: 1,
+            output_len: 20,
+            request_rate: 100.0,
+            ..SimConfig::default()
+        };
+        cfg.validate().unwrap();
+        let (records, routers, _) = finished_run(&cfg);
+        assert!(records.engines.iter().all(|e| e.evictions > 0));
+        for r in &routers {
+            assert!(!r.index().tail_first());
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(160))]
         /// Skipping quiet steps changes nothing the routers see (the records, and when each
