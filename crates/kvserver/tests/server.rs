@@ -305,6 +305,73 @@ fn the_routing_model_options_route_and_release() {
     }
 }
 
+/// The engine's resident block count, from kvmock's `/metrics`.
+fn engine_blocks(engine: &Engine) -> u64 {
+    let (_, text) = http(engine.port, "GET", "/metrics", None);
+    text.lines()
+        .find(|l| l.starts_with("kvmock:cached_blocks"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("kvmock:cached_blocks missing from:\n{text}"))
+}
+
+/// Trusting the engine to evict tail first (`--tail-first-evictions`) keeps the router's
+/// mirror exact under eviction pressure: after every request the mirror holds what the engine
+/// holds, and the hits the router predicted for the next one are the ones the engine found.
+/// Prompts share two prefixes at many lengths in a cache of 16 blocks, so from the third
+/// request on every one evicts tails that other prompts' chains run through.
+#[test]
+fn trusted_tail_first_evictions_keep_the_router_exact() {
+    let engine = Engine::start_with(
+        free_port(),
+        free_port(),
+        free_port(),
+        &["--num-gpu-blocks", "16"],
+    );
+    let server = Kvserver::start(&[&engine], &["--tail-first-evictions"]);
+    let (mut predicted, mut resident) = (0.0, Vec::new());
+    for k in 0..40u32 {
+        // A prefix of 2..=9 blocks of one of two prompts, then 5..=37 tokens of its own (a new
+        // block or more from the sixth request on): never a whole number of blocks, so the
+        // engine may count every full block as cached.
+        let prefix_blocks = 2 + (k * 3) % 8;
+        let mut prompt: Vec<u32> = (0..prefix_blocks * 16)
+            .map(|t| (k % 2) * 10_000 + t)
+            .collect();
+        prompt.extend((0..5 + (k % 3) * 16).map(|t| 100_000 + k * 100 + t));
+        let body = serde_json::json!({"prompt": prompt, "max_tokens": 1, "ignore_eos": true});
+        let (status, body) = server.post("/v1/completions", &body.to_string());
+        assert_eq!(status, 200, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_f64()
+            .unwrap();
+        let hits = server.metric("kvserver_cache_hit_blocks_total");
+        assert_eq!(
+            hits - predicted,
+            cached / 16.0,
+            "request {k}: predicted hits"
+        );
+        predicted = hits;
+        // Before the next request, the mirror catches up with the engine.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while server.block_count(&engine.name()) != engine_blocks(&engine) {
+            assert!(
+                Instant::now() < deadline,
+                "request {k}: the mirror never caught up"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        resident.push(engine_blocks(&engine));
+    }
+    // Full from the third request on: every later one evicted as many blocks as it stored.
+    let cap = *resident.iter().max().unwrap();
+    assert!(
+        cap <= 16 && resident[2..].iter().all(|&n| n == cap),
+        "{resident:?}"
+    );
+}
+
 #[test]
 fn an_engine_killed_mid_stream_ends_the_response_and_releases_the_load() {
     let port = free_port();
