@@ -241,13 +241,19 @@ impl Fleet {
                 (0..per_chain).map(move |k| {
                     (
                         w,
-                        (c * per_chain + k) as u64,
+                        self.event_id(c, k),
                         w * self.chains_per_worker + c,
                         k * EVENT_BLOCKS,
                     )
                 })
             })
         })
+    }
+
+    /// A worker's id for the `k`-th event of its chain `c`: 0, 1, ... in arrival order, so
+    /// `event_id(chains_per_worker, 0)` is the first id after the fleet's own events.
+    fn event_id(&self, c: usize, k: usize) -> u64 {
+        (c * (self.depth / EVENT_BLOCKS) + k) as u64
     }
 
     fn our_event(&self, chain: usize, start: usize) -> KvEvent {
@@ -573,8 +579,7 @@ fn evict_once(index: &mut Index, fleet: &Fleet) {
         tokens.clear();
         block_tokens(&mut tokens, 4, w as u64, 0, 0);
         let chain = Chain::hash(&tokens, &hasher);
-        // After the fleet's own events, whose ids are 0..n per worker.
-        let id = (fleet.chains_per_worker * (fleet.depth / EVENT_BLOCKS)) as u64;
+        let id = fleet.event_id(fleet.chains_per_worker, 0);
         match &mut *index {
             Index::Ours(i) => {
                 let wid = WorkerId::new(w as u64);
