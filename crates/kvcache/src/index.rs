@@ -9,10 +9,12 @@ use crate::{Error, KvEvent, WorkerId};
 /// line): the map is what ingestion and lookups miss the CPU cache on.
 ///
 /// - Inline (bit 63 clear): the holders fall in one aligned group of 32 dense indices; bits
-///   32..63 are the group, bits 0..32 its members. A block held by one worker, or by a few
+///   32..51 are the group, bits 0..32 its members. A block held by one worker, or by a few
 ///   neighbouring ones, stays inline and costs nothing more.
 /// - Spilled (bit 63 set): the low 32 bits index a [`Spill`] list, a sparse bitset over dense
 ///   worker indices as sorted `(word, bits)` pairs, one word per 64 workers.
+/// - Either way bits 51..63 are the block's [`run_hint`](Self::run_hint), which changes no
+///   answer, only where a query probes.
 ///
 /// Either way [`words`](Self::words) presents the set as `(word, bits)` pairs, so an intersection
 /// costs one AND per non-empty word.
@@ -20,6 +22,14 @@ use crate::{Error, KvEvent, WorkerId};
 struct WorkerSet(u64);
 
 const SPILLED: u64 = 1 << 63;
+/// Where [`WorkerSet::run_hint`] sits, and its largest value.
+const HINT_SHIFT: u32 = 51;
+const MAX_HINT: usize = (1 << 12) - 1;
+const HINT_MASK: u64 = (MAX_HINT as u64) << HINT_SHIFT;
+/// Groups of 32 workers an inline set can name (bits 32..51): dense indices stay below 2^24.
+const GROUP_MASK: u64 = (1 << (HINT_SHIFT - 32)) - 1;
+/// Dense worker indices the sets can hold.
+const MAX_WORKERS: u32 = 1 << (HINT_SHIFT - 32 + 5);
 
 /// The holder lists of spilled [`WorkerSet`]s, with their free slots (kept allocated for reuse).
 #[derive(Debug, Clone, Default)]
@@ -62,8 +72,20 @@ impl WorkerSet {
         if self.0 & SPILLED != 0 {
             Err(self.0 as u32)
         } else {
-            Ok(((self.0 >> 32) as u32, self.0 as u32))
+            Ok((((self.0 >> 32) & GROUP_MASK) as u32, self.0 as u32))
         }
+    }
+
+    /// How many blocks after this one the `Stored` event that first stored it went on (at
+    /// most [`MAX_HINT`]): where a run through this block is likely to end, since prompts tend
+    /// to share whole stored runs. Only a guess of where to probe; it is never trusted.
+    #[inline]
+    fn run_hint(self) -> usize {
+        ((self.0 & HINT_MASK) >> HINT_SHIFT) as usize
+    }
+
+    fn with_run_hint(self, hint: usize) -> Self {
+        WorkerSet((self.0 & !HINT_MASK) | ((hint.min(MAX_HINT) as u64) << HINT_SHIFT))
     }
 
     /// The set as sorted `(word, bits)` pairs; `buf` holds the one pair of an inline set.
@@ -90,8 +112,23 @@ impl WorkerSet {
         }
     }
 
-    /// Adds `idx`; true if it was absent.
+    /// Adds `idx`; true if it was absent. The run hint stays.
     fn insert(&mut self, idx: u32, spill: &mut Spill) -> bool {
+        let hint = self.run_hint();
+        let absent = self.insert_member(idx, spill);
+        *self = self.with_run_hint(hint);
+        absent
+    }
+
+    /// Removes `idx`; true if it was present. The run hint stays.
+    fn remove(&mut self, idx: u32, spill: &mut Spill) -> bool {
+        let hint = self.run_hint();
+        let present = self.remove_member(idx, spill);
+        *self = self.with_run_hint(hint);
+        present
+    }
+
+    fn insert_member(&mut self, idx: u32, spill: &mut Spill) -> bool {
         let (word, bit) = (idx / 64, 1u64 << (idx % 64));
         match self.form() {
             Ok((group, members)) if group == idx / 32 || members == 0 => {
@@ -131,8 +168,8 @@ impl WorkerSet {
         }
     }
 
-    /// Removes `idx`; true if it was present. A spilled set that fits inline again goes back.
-    fn remove(&mut self, idx: u32, spill: &mut Spill) -> bool {
+    /// A spilled set that fits inline again goes back.
+    fn remove_member(&mut self, idx: u32, spill: &mut Spill) -> bool {
         match self.form() {
             Ok((group, members)) => {
                 let b = 1 << (idx % 32);
@@ -368,7 +405,9 @@ impl CacheIndex {
             }
             None => {
                 let i = u32::try_from(self.workers.len())
-                    .map_err(|_| Error::TooManyWorkers { worker })?;
+                    .ok()
+                    .filter(|&i| i < MAX_WORKERS)
+                    .ok_or(Error::TooManyWorkers { worker })?;
                 self.workers.push(Some(state));
                 i
             }
@@ -445,9 +484,29 @@ impl CacheIndex {
                         });
                     }
                 }
+                // Where the blocks other workers' chains already hold end and this event's new
+                // ones begin, stored chains branch: where a query's runs are likely to end.
+                // Run hints hop along those held blocks (each hop a block and its hint); the hop
+                // that passes the branch is cut to end there.
+                let (mut hop, mut leading) = ((0, 0), true);
                 // Not warmed ahead (see `warm_ahead`): measured, it did not pay here.
-                for &b in blocks {
-                    let newly = add_holder(&mut self.blocks, &mut self.spill, b, idx);
+                for (k, &b) in blocks.iter().enumerate() {
+                    let hint = blocks.len() - 1 - k;
+                    let (newly, held) = add_holder(&mut self.blocks, &mut self.spill, b, idx, hint);
+                    if leading {
+                        match held {
+                            Some(h) if k == 0 || k > hop.0 + hop.1 => hop = (k, h),
+                            Some(_) => {}
+                            None => {
+                                leading = false;
+                                if k > 0 && hop.0 + hop.1 > k - 1 {
+                                    if let Some(set) = self.blocks.get_mut(&blocks[hop.0]) {
+                                        *set = set.with_run_hint(k - 1 - hop.0);
+                                    }
+                                }
+                            }
+                        }
+                    }
                     if newly {
                         out.stored += 1;
                     } else {
@@ -564,14 +623,16 @@ impl CacheIndex {
         for &w in first.words(&self.spill, &mut buf) {
             out.active.push(w);
         }
-        // Every active worker holds chain[..depth].
-        let mut depth = 1;
+        // Every active worker holds chain[..depth]; `hint` is chain[depth - 1]'s run hint (0:
+        // none known).
+        let (mut depth, mut hint) = (1, first.run_hint());
         while depth < chain.len() && !out.active.is_empty() {
             depth = if self.any_holey(&out.active) {
                 self.walk(chain, depth, out)
             } else {
-                self.jump(chain, depth, out)
+                self.jump(chain, depth, hint, out)
             };
+            hint = 0;
         }
         for &(word, bits) in &out.active {
             record(
@@ -661,41 +722,60 @@ impl CacheIndex {
         end
     }
 
-    /// For prefix-closed active workers only: probes `depth + 2^k - 1` (one batch of independent
-    /// probes) and, where the set shrank between two probes, searches that stretch for where
-    /// each run ends ([`first_lacked`](Self::first_lacked)). Returns the depth reached.
-    fn jump(&self, chain: &[BlockHash], depth: usize, out: &mut Overlaps) -> usize {
+    /// For prefix-closed active workers only, all holding `chain[..depth]`; `hint` is the run
+    /// hint of `chain[depth - 1]` (0: none). One batch of independent probes: with a hint, the
+    /// guessed end of the stored run, the block after it and the chain's last block (a prompt
+    /// that shares a stored run and goes its own way is settled by these three); without one,
+    /// `depth + 2^k - 1` up to the last block. Where the set shrank between two probes, that
+    /// stretch is searched for where each run ends ([`first_lacked`](Self::first_lacked)).
+    /// Returns the depth reached.
+    fn jump(&self, chain: &[BlockHash], depth: usize, hint: usize, out: &mut Overlaps) -> usize {
         const PROBES: usize = 16;
         let n = chain.len();
         let mut at = [0usize; PROBES];
         let mut sets = [WorkerSet::EMPTY; PROBES];
         let mut count = 0;
-        let mut step = 1;
-        while count < PROBES {
-            let p = (depth + step - 1).min(n - 1);
-            at[count] = p;
-            sets[count] = self.holders_of(&chain[p]);
-            count += 1;
-            if p == n - 1 {
-                break;
+        // Positions first, then their probes in one loop: independent, so their misses overlap.
+        let mut push = |p: usize, count: &mut usize| {
+            if *count == 0 || at[*count - 1] < p {
+                at[*count] = p;
+                *count += 1;
             }
-            step *= 2;
+        };
+        if hint > 0 {
+            let end = (depth - 1 + hint).min(n - 1);
+            for p in [end, (end + 1).min(n - 1), n - 1] {
+                push(p, &mut count);
+            }
+        } else {
+            let mut step = 1;
+            loop {
+                let p = (depth + step - 1).min(n - 1);
+                push(p, &mut count);
+                if p == n - 1 || count == PROBES {
+                    break;
+                }
+                step *= 2;
+            }
         }
-        // Invariant: every active worker holds chain[..lo]. Probes all active workers hold are
-        // passed; at one some lack, `lo..=at[k]` is searched for the first position any of them
-        // lacks, they are dropped there, and the same probe is read again for the rest: one
-        // batch serves every run it brackets, instead of a new batch after each drop.
-        let mut lo = depth;
+        for (set, &p) in sets.iter_mut().zip(&at[..count]) {
+            *set = self.holders_of(&chain[p]);
+        }
+        // Invariant: every active worker holds chain[..lo], and `lo_hint` is chain[lo - 1]'s
+        // run hint. Probes all active workers hold are passed; at one some lack, `lo..=at[k]`
+        // is searched for the first position any of them lacks, they are dropped there, and
+        // the same probe is read again for the rest: one batch serves every run it brackets.
+        let (mut lo, mut lo_hint) = (depth, hint);
         let mut k = 0;
         while k < count {
             if self.holds_all(&out.active, sets[k]) {
-                lo = at[k] + 1;
+                (lo, lo_hint) = (at[k] + 1, sets[k].run_hint());
                 k += 1;
                 continue;
             }
-            let (p, set) = self.first_lacked(chain, lo, at[k], sets[k], &out.active);
+            let (p, set) = self.first_lacked(chain, lo, lo_hint, at[k], sets[k], &out.active);
             self.narrow(set, p, out);
-            lo = p + 1;
+            (lo, lo_hint) = (p + 1, set.run_hint());
             if out.active.is_empty() {
                 break;
             }
@@ -708,21 +788,47 @@ impl CacheIndex {
     }
 
     /// The first position in `lo..=hi` that some worker of `active` lacks, and its holders, given
-    /// that all hold `chain[..lo]` and some lack `chain[hi]` (whose holders are `hi_set`): a
-    /// binary search, the fewest probes (each is a cache miss when the index is large).
+    /// that all hold `chain[..lo]` (`lo_hint` being `chain[lo - 1]`'s run hint) and some lack
+    /// `chain[hi]` (whose holders are `hi_set`).
+    ///
+    /// First up to [`GUESSES`](Self::GUESSES) times the run hint's guess: the guessed end of
+    /// the stored run and the block after it, two independent probes that settle a run ending
+    /// there. Then a binary search, the fewest probes (each is a cache miss when the index is
+    /// large). A wrong guess only narrows the stretch.
     fn first_lacked(
         &self,
         chain: &[BlockHash],
         mut lo: usize,
+        mut lo_hint: usize,
         mut hi: usize,
         mut hi_set: WorkerSet,
         active: &[(u32, u64)],
     ) -> (usize, WorkerSet) {
+        let mut guesses = 0;
         while lo < hi {
+            let guess = lo + lo_hint;
+            if lo_hint > 0 && guess <= hi && guesses < Self::GUESSES {
+                guesses += 1;
+                // The guessed end is chain[guess - 1]; the block after it is chain[guess].
+                let end_set = self.holders_of(&chain[guess - 1]);
+                let next_set = if guess == hi {
+                    hi_set
+                } else {
+                    self.holders_of(&chain[guess])
+                };
+                if !self.holds_all(active, end_set) {
+                    (hi, hi_set, lo_hint) = (guess - 1, end_set, 0);
+                } else if !self.holds_all(active, next_set) {
+                    return (guess, next_set);
+                } else {
+                    (lo, lo_hint) = (guess + 1, next_set.run_hint());
+                }
+                continue;
+            }
             let mid = lo + (hi - lo) / 2;
             let set = self.holders_of(&chain[mid]);
             if self.holds_all(active, set) {
-                lo = mid + 1;
+                (lo, lo_hint) = (mid + 1, set.run_hint());
             } else {
                 hi = mid;
                 hi_set = set;
@@ -730,6 +836,10 @@ impl CacheIndex {
         }
         (hi, hi_set)
     }
+
+    /// Run-hint guesses per [`first_lacked`](Self::first_lacked) before it bisects: a guess that
+    /// only confirms a run costs two probes, so small hints must not make the search linear.
+    const GUESSES: usize = 2;
 
     /// Every block with the dense indices of its holders (for snapshots).
     pub(crate) fn holders(&self) -> impl Iterator<Item = (BlockHash, Vec<usize>)> + '_ {
@@ -760,7 +870,8 @@ impl CacheIndex {
         };
         let mut stored = 0;
         for &b in blocks {
-            let newly = add_holder(&mut self.blocks, &mut self.spill, b, idx);
+            // Snapshots keep no run hints: these blocks are probed as if each ended a run.
+            let (newly, _) = add_holder(&mut self.blocks, &mut self.spill, b, idx, 0);
             stored += usize::from(newly);
         }
         if let Some(Some(st)) = self.workers.get_mut(idx as usize) {
@@ -986,18 +1097,24 @@ impl CacheIndex {
     }
 }
 
-/// Records that the worker at `idx` holds `b`; true if it was not recorded yet.
+/// Records that the worker at `idx` holds `b`, with `hint` as its run hint if the block is new
+/// to the index. Returns whether the worker was not recorded yet, and the block's run hint if
+/// the index held it already.
 fn add_holder(
     blocks: &mut Map<BlockHash, WorkerSet>,
     spill: &mut Spill,
     b: BlockHash,
     idx: u32,
-) -> bool {
+    hint: usize,
+) -> (bool, Option<usize>) {
     match blocks.entry(b) {
-        hashbrown::hash_map::Entry::Occupied(mut e) => e.get_mut().insert(idx, spill),
+        hashbrown::hash_map::Entry::Occupied(mut e) => {
+            let held = e.get().run_hint();
+            (e.get_mut().insert(idx, spill), Some(held))
+        }
         hashbrown::hash_map::Entry::Vacant(v) => {
-            v.insert(WorkerSet::single(idx));
-            true
+            v.insert(WorkerSet::single(idx).with_run_hint(hint));
+            (true, None)
         }
     }
 }

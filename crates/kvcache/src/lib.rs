@@ -191,8 +191,8 @@ pub enum Error {
         /// What is wrong with it.
         why: String,
     },
-    /// More distinct workers than the index can number (2^32).
-    #[error("too many workers: cannot add {worker}")]
+    /// More workers at once than the index can number (2^24).
+    #[error("too many workers: cannot add {worker}, the index holds at most 2^24 at once")]
     TooManyWorkers {
         /// The worker that did not fit.
         worker: WorkerId,

@@ -23,17 +23,23 @@ proptest! {
     #[test]
     fn strided_probes_equal_the_walk(
         workers in 1u64..70,
-        chains in prop::collection::vec((0u64..70, prop::collection::vec(0u8..2, 1..80)), 1..24),
+        chains in prop::collection::vec((0u64..70, prop::collection::vec(0u8..2, 1..80), 1usize..24), 1..24),
         holes in prop::collection::vec((0u64..70, 0usize..24, 0usize..80), 0..6),
         queries in prop::collection::vec((0usize..24, 0usize..80, prop::collection::vec(0u8..2, 0..20)), 1..12),
     ) {
         let mut index = CacheIndex::new();
         let mut ids = vec![0u64; workers as usize];
-        let paths: Vec<(u64, Vec<u8>)> = chains.into_iter().map(|(w, c)| (w % workers, c)).collect();
-        for (w, codes) in &paths {
-            let ev = KvEvent::Stored { parent: None, blocks: path(codes, 2) };
-            index.apply(WorkerId::new(*w), ids[*w as usize], &ev).unwrap();
-            ids[*w as usize] += 1;
+        let paths: Vec<(u64, Vec<u8>)> = chains.iter().map(|(w, c, _)| (w % workers, c.clone())).collect();
+        // Each chain stored in events of `piece` blocks: the first store of a block sets the
+        // run hint the query guesses from, so hints of every length, right and wrong, occur.
+        for ((w, codes), &(_, _, piece)) in paths.iter().zip(&chains) {
+            let blocks = path(codes, 2);
+            for (k, part) in blocks.chunks(piece).enumerate() {
+                let parent = (k > 0).then(|| blocks[k * piece - 1]);
+                let ev = KvEvent::Stored { parent, blocks: part.to_vec() };
+                index.apply(WorkerId::new(*w), ids[*w as usize], &ev).unwrap();
+                ids[*w as usize] += 1;
+            }
         }
         for &(w, c, at) in &holes {
             let w = w % workers;
@@ -261,4 +267,49 @@ fn trusting_a_stale_worker_makes_it_holey() {
     };
     index.apply(w, 3, &removed).unwrap();
     assert_eq!(index.overlaps(&chain).get(w), 3);
+}
+
+/// The query guesses where a run ends from the run hint (how far the event that first stored a
+/// block went on): a guess that holds for every worker, with a run ending just after it, and
+/// a guess past one worker's run, both give exact runs.
+#[test]
+fn run_hints_right_and_wrong_give_exact_runs() {
+    let b = |i: u64| kvblock::BlockHash::new(i);
+    let chain = |r: std::ops::Range<u64>| r.map(b).collect::<Vec<_>>();
+    let store = |index: &mut CacheIndex, w: u64, id: u64, r: std::ops::Range<u64>| {
+        let parent = r.start.checked_sub(1).map(b);
+        let ev = KvEvent::Stored {
+            parent,
+            blocks: chain(r),
+        };
+        index.apply(WorkerId::new(w), id, &ev).unwrap();
+    };
+    let runs = |index: &CacheIndex, q: &[kvblock::BlockHash]| {
+        let ov = index.overlaps(q);
+        let got = (ov.get(WorkerId::new(0)), ov.get(WorkerId::new(1)));
+        assert_eq!(vec![got.0, got.1], walked(index, 2, q));
+        got
+    };
+
+    // Worker 0 stores 0..12 in events of 4; worker 1 stores 0..4, then 4..9: the guess from
+    // block 4 (its run went on to block 7) holds for both, and worker 1 ends right after it.
+    let mut index = CacheIndex::new();
+    for (id, r) in [0..4, 4..8, 8..12].into_iter().enumerate() {
+        store(&mut index, 0, id as u64, r);
+    }
+    store(&mut index, 1, 0, 0..4);
+    store(&mut index, 1, 1, 4..9);
+    assert_eq!(runs(&index, &chain(0..12)), (12, 9));
+    assert_eq!(runs(&index, &chain(0..16)), (12, 9));
+
+    // Worker 0 stores 0..4, then 4..12; worker 1 stores 0..4, then 4..6: the guess from block
+    // 4 (to block 11) is past worker 1's run and is searched back.
+    let mut index = CacheIndex::new();
+    store(&mut index, 0, 0, 0..4);
+    store(&mut index, 0, 1, 4..12);
+    store(&mut index, 1, 0, 0..4);
+    store(&mut index, 1, 1, 4..6);
+    assert_eq!(runs(&index, &chain(0..16)), (12, 6));
+    assert_eq!(runs(&index, &chain(0..12)), (12, 6));
+    assert_eq!(runs(&index, &chain(0..7)), (7, 6));
 }
