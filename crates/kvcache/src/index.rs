@@ -2,7 +2,8 @@
 
 use kvblock::BlockHash;
 
-use crate::hasher::{warm_ahead, Map};
+use crate::blockmap::{BlockMap, Vacant};
+use crate::hasher::Map;
 use crate::{Error, KvEvent, WorkerId};
 
 /// The workers holding one block, in 8 bytes so that a block map entry is 16 (four to a cache
@@ -20,6 +21,11 @@ use crate::{Error, KvEvent, WorkerId};
 /// costs one AND per non-empty word.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct WorkerSet(u64);
+
+impl Vacant for WorkerSet {
+    /// No stored set is empty: a block whose last holder leaves is removed.
+    const VACANT: WorkerSet = WorkerSet::EMPTY;
+}
 
 const SPILLED: u64 = 1 << 63;
 /// Where [`WorkerSet::run_hint`] sits, and its largest value.
@@ -362,7 +368,7 @@ impl Overlaps {
 /// ```
 #[derive(Debug, Clone, Default)]
 pub struct CacheIndex {
-    blocks: Map<BlockHash, WorkerSet>,
+    blocks: BlockMap<WorkerSet>,
     spill: Spill,
     workers: Vec<Option<WorkerState>>,
     /// `WorkerState::holey` as a bitset over dense indices, for a word-wise test of the
@@ -489,8 +495,8 @@ impl CacheIndex {
                 // Run hints hop along those held blocks (each hop a block and its hint); the hop
                 // that passes the branch is cut to end there.
                 let (mut hop, mut leading) = ((0, 0), true);
-                // Not warmed ahead (see `warm_ahead`): measured, it did not pay here.
                 for (k, &b) in blocks.iter().enumerate() {
+                    self.blocks.warm_ahead(blocks, k);
                     let hint = blocks.len() - 1 - k;
                     let (newly, held) = add_holder(&mut self.blocks, &mut self.spill, b, idx, hint);
                     if leading {
@@ -518,17 +524,12 @@ impl CacheIndex {
             }
             KvEvent::Removed { blocks } => {
                 for (k, &b) in blocks.iter().enumerate() {
-                    warm_ahead(&self.blocks, blocks, k);
-                    let removed = match self.blocks.entry(b) {
-                        hashbrown::hash_map::Entry::Occupied(mut e) => {
-                            let removed = e.get_mut().remove(idx, &mut self.spill);
-                            if e.get().is_empty() {
-                                e.remove();
-                            }
-                            removed
-                        }
-                        hashbrown::hash_map::Entry::Vacant(_) => false,
-                    };
+                    self.blocks.warm_ahead(blocks, k);
+                    let spill = &mut self.spill;
+                    let removed = self
+                        .blocks
+                        .update(&b, |set| set.remove(idx, spill), |set| !set.is_empty())
+                        .unwrap_or(false);
                     if removed {
                         out.removed += 1;
                     } else {
@@ -657,7 +658,7 @@ impl CacheIndex {
     /// The holders of `block` (empty when no worker holds it).
     #[inline]
     fn holders_of(&self, block: &BlockHash) -> WorkerSet {
-        self.blocks.get(block).copied().unwrap_or(WorkerSet::EMPTY)
+        self.blocks.get(block).unwrap_or(WorkerSet::EMPTY)
     }
 
     /// Narrows `out.active` to the holders of `set`, recording the workers that drop out with
@@ -843,7 +844,7 @@ impl CacheIndex {
 
     /// Every block with the dense indices of its holders (for snapshots).
     pub(crate) fn holders(&self) -> impl Iterator<Item = (BlockHash, Vec<usize>)> + '_ {
-        self.blocks.iter().map(|(&b, set)| {
+        self.blocks.iter().map(|(b, set)| {
             let mut buf = [(0, 0); 1];
             let mut v = Vec::new();
             for &(word, mut bits) in set.words(&self.spill, &mut buf) {
@@ -1053,7 +1054,7 @@ impl CacheIndex {
     #[doc(hidden)]
     pub fn check_invariants(&self) -> Result<(), String> {
         let mut per = vec![0usize; self.workers.len()];
-        for (h, set) in &self.blocks {
+        for (h, set) in self.blocks.iter() {
             if set.is_empty() {
                 return Err(format!("{h} has an empty holder set"));
             }
@@ -1101,22 +1102,18 @@ impl CacheIndex {
 /// to the index. Returns whether the worker was not recorded yet, and the block's run hint if
 /// the index held it already.
 fn add_holder(
-    blocks: &mut Map<BlockHash, WorkerSet>,
+    blocks: &mut BlockMap<WorkerSet>,
     spill: &mut Spill,
     b: BlockHash,
     idx: u32,
     hint: usize,
 ) -> (bool, Option<usize>) {
-    match blocks.entry(b) {
-        hashbrown::hash_map::Entry::Occupied(mut e) => {
-            let held = e.get().run_hint();
-            (e.get_mut().insert(idx, spill), Some(held))
-        }
-        hashbrown::hash_map::Entry::Vacant(v) => {
-            v.insert(WorkerSet::single(idx).with_run_hint(hint));
-            (true, None)
-        }
+    if let Some(set) = blocks.get_mut(&b) {
+        let held = set.run_hint();
+        return (set.insert(idx, spill), Some(held));
     }
+    blocks.insert_vacant(b, WorkerSet::single(idx).with_run_hint(hint));
+    (true, None)
 }
 
 fn record(

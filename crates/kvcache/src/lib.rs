@@ -42,6 +42,7 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
+mod blockmap;
 mod cache;
 mod hasher;
 mod index;

@@ -1,0 +1,458 @@
+//! A map from block hashes to small values in which a lookup waits for one memory access:
+//! bucketized cuckoo hashing.
+//!
+//! Every key may live in one of two buckets, each one aligned cache line of [`WAYS`] slots,
+//! whose addresses follow from the key's hash alone. A lookup reads both lines at once, so
+//! their cache misses overlap, where a swiss table reads its control bytes and only then the
+//! entry (two misses one after the other): on an index larger than the CPU cache a query's
+//! probes cost one miss each instead of two. An insert pays for it, reading two lines where a
+//! swiss table reads one control group. Removal vacates the slot. An insert that finds both
+//! buckets full moves an entry of either to its other bucket, or walks further (bounded,
+//! deterministic: no random choice), and grows the table if the walk fails. Growing doubles the
+//! table by splitting every bucket in two, in one pass over it.
+//!
+//! Keys are any `u64` (block hashes); one value of `V` ([`Vacant::VACANT`]) marks a free slot and
+//! is never stored. Iteration goes in slot order, which depends only on the operations applied.
+
+use kvblock::BlockHash;
+
+/// A value a [`BlockMap`] can hold: `VACANT` marks a free slot and is never stored.
+pub(crate) trait Vacant: Copy + PartialEq {
+    /// The value of a free slot.
+    const VACANT: Self;
+}
+
+#[cfg(test)]
+impl Vacant for u32 {
+    const VACANT: u32 = u32::MAX;
+}
+
+/// Slots per bucket: four `u64` keys and their values fill a 64-byte line when values are
+/// 8 bytes.
+const WAYS: usize = 4;
+/// The table grows past this share of its slots (as a swiss table does), in eighths.
+const LOAD_EIGHTHS: usize = 7;
+/// Displacements an insert tries, after the one-step moves, before it grows the table instead.
+const MAX_KICKS: usize = 64;
+/// Keys whose buckets [`BlockMap::warm_ahead`] reads ahead of updating them.
+const LOOKAHEAD: usize = 16;
+
+#[derive(Debug, Clone, Copy)]
+#[repr(C, align(64))]
+struct Bucket<V> {
+    keys: [u64; WAYS],
+    vals: [V; WAYS],
+}
+
+impl<V: Vacant> Bucket<V> {
+    const EMPTY: Self = Bucket {
+        keys: [0; WAYS],
+        vals: [V::VACANT; WAYS],
+    };
+
+    #[inline]
+    fn find(&self, key: u64) -> Option<usize> {
+        (0..WAYS).find(|&w| self.keys[w] == key && self.vals[w] != V::VACANT)
+    }
+
+    /// Free slots, as a bit mask of ways.
+    #[inline]
+    fn free(&self) -> u32 {
+        (0..WAYS).fold(0, |m, w| m | (u32::from(self.vals[w] == V::VACANT) << w))
+    }
+}
+
+/// The map; see the module docs.
+#[derive(Debug, Clone)]
+pub(crate) struct BlockMap<V> {
+    /// A power of two of them, or none before the first insert.
+    buckets: Vec<Bucket<V>>,
+    len: usize,
+    /// Which slot the next displacement takes (rotating: deterministic).
+    kicks: usize,
+}
+
+impl<V: Vacant> Default for BlockMap<V> {
+    fn default() -> Self {
+        BlockMap {
+            buckets: Vec::new(),
+            len: 0,
+            kicks: 0,
+        }
+    }
+}
+
+/// Mixes a key (a multiply and a fold): trace ids are small consecutive integers.
+#[inline]
+fn spread(key: u64) -> u64 {
+    let m = u128::from(key) * u128::from(0x9E37_79B9_7F4A_7C15_u64);
+    (m as u64) ^ ((m >> 64) as u64)
+}
+
+impl<V: Vacant> BlockMap<V> {
+    /// Entries stored.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The two buckets of `key` (now and then the same one: then it has one). Each is a bit
+    /// mask of the key's hash, so when the table doubles, an entry of bucket `i` goes to bucket
+    /// `i` or `i + n` and nowhere else (see [`grow`](Self::grow)).
+    #[inline]
+    fn buckets_of(&self, key: u64) -> (usize, usize) {
+        let mask = self.buckets.len().wrapping_sub(1);
+        let h = spread(key);
+        (h as usize & mask, (h >> 32) as usize & mask)
+    }
+
+    /// The bucket and way of `key`, if stored.
+    #[inline]
+    fn position(&self, key: u64) -> Option<(usize, usize)> {
+        if self.buckets.is_empty() {
+            return None;
+        }
+        let (a, b) = self.buckets_of(key);
+        // Both lines are read before either is searched, so their misses overlap.
+        let (ba, bb) = (&self.buckets[a], &self.buckets[b]);
+        match ba.find(key) {
+            Some(w) => Some((a, w)),
+            None => bb.find(key).map(|w| (b, w)),
+        }
+    }
+
+    #[inline]
+    pub(crate) fn get(&self, key: &BlockHash) -> Option<V> {
+        self.position(key.get())
+            .map(|(b, w)| self.buckets[b].vals[w])
+    }
+
+    #[inline]
+    pub(crate) fn contains_key(&self, key: &BlockHash) -> bool {
+        self.position(key.get()).is_some()
+    }
+
+    /// The value of `key`, to change in place; it must not be set to [`Vacant::VACANT`] (see
+    /// [`update`](Self::update)).
+    #[inline]
+    pub(crate) fn get_mut(&mut self, key: &BlockHash) -> Option<&mut V> {
+        let (b, w) = self.position(key.get())?;
+        Some(&mut self.buckets[b].vals[w])
+    }
+
+    /// Applies `change` to the value of `key` and removes the entry unless `keep` says
+    /// otherwise of the changed value. Returns what `change` returned (`None`: no such key).
+    #[inline]
+    pub(crate) fn update<R>(
+        &mut self,
+        key: &BlockHash,
+        change: impl FnOnce(&mut V) -> R,
+        keep: impl FnOnce(V) -> bool,
+    ) -> Option<R> {
+        let (b, w) = self.position(key.get())?;
+        let val = &mut self.buckets[b].vals[w];
+        let out = change(val);
+        if !keep(*val) {
+            *val = V::VACANT;
+            self.len -= 1;
+        }
+        Some(out)
+    }
+
+    /// Stores `val` (not [`Vacant::VACANT`]) under `key`; returns the value it replaced.
+    #[cfg(test)]
+    fn insert(&mut self, key: BlockHash, val: V) -> Option<V> {
+        if let Some(slot) = self.get_mut(&key) {
+            return Some(std::mem::replace(slot, val));
+        }
+        self.insert_vacant(key, val);
+        None
+    }
+
+    /// Stores `val` (not [`Vacant::VACANT`]) under `key`, which must be absent (the caller has
+    /// just looked it up).
+    pub(crate) fn insert_vacant(&mut self, key: BlockHash, val: V) {
+        debug_assert!(val != V::VACANT && !self.contains_key(&key));
+        if (self.len + 1) * 8 > self.buckets.len() * WAYS * LOAD_EIGHTHS {
+            self.grow();
+        }
+        let mut homeless = (key.get(), val);
+        while let Some(left) = self.place(homeless) {
+            // The walk failed: a larger table takes the entry it left over.
+            self.grow();
+            homeless = left;
+        }
+        self.len += 1;
+    }
+
+    #[inline]
+    fn put(&mut self, at: usize, w: usize, key: u64, val: V) {
+        self.buckets[at].keys[w] = key;
+        self.buckets[at].vals[w] = val;
+    }
+
+    /// Puts an entry into one of its buckets (the emptier: two choices keep the buckets even,
+    /// so both are full less often), displacing others if both are full. Returns the entry
+    /// left without a slot if that fails.
+    fn place(&mut self, (key, val): (u64, V)) -> Option<(u64, V)> {
+        let (a, b) = self.buckets_of(key);
+        let (fa, fb) = (self.buckets[a].free(), self.buckets[b].free());
+        if fa | fb != 0 {
+            let (at, free) = if fa.count_ones() >= fb.count_ones() {
+                (a, fa)
+            } else {
+                (b, fb)
+            };
+            self.put(at, free.trailing_zeros() as usize, key, val);
+            return None;
+        }
+        // Both full: an entry of either whose other bucket has room moves there (these reads
+        // do not depend on each other); failing that, a walk.
+        for at in [a, b] {
+            for w in 0..WAYS {
+                let moved = self.buckets[at].keys[w];
+                let (x, y) = self.buckets_of(moved);
+                let alt = if x == at { y } else { x };
+                let free = self.buckets[alt].free();
+                if free != 0 {
+                    let v = self.buckets[at].vals[w];
+                    self.put(alt, free.trailing_zeros() as usize, moved, v);
+                    self.put(at, w, key, val);
+                    return None;
+                }
+            }
+        }
+        self.walk(if self.kicks % 2 == 0 { a } else { b }, key, val)
+    }
+
+    /// The cuckoo walk from `key`'s full bucket `at`: each step puts the homeless entry in one
+    /// of the bucket's slots (rotating) and takes the entry it displaces to that entry's other
+    /// bucket, until one has room or [`MAX_KICKS`] steps pass.
+    fn walk(&mut self, mut at: usize, mut key: u64, mut val: V) -> Option<(u64, V)> {
+        for _ in 0..MAX_KICKS {
+            let w = self.kicks % WAYS;
+            self.kicks = self.kicks.wrapping_add(1);
+            let bucket = &mut self.buckets[at];
+            std::mem::swap(&mut bucket.keys[w], &mut key);
+            std::mem::swap(&mut bucket.vals[w], &mut val);
+            let (x, y) = self.buckets_of(key);
+            at = if x == at { y } else { x };
+            let free = self.buckets[at].free();
+            if free != 0 {
+                self.put(at, free.trailing_zeros() as usize, key, val);
+                return None;
+            }
+        }
+        Some((key, val))
+    }
+
+    /// Doubles the buckets (two at first). The entries of old bucket `i` split between new
+    /// buckets `i` and `i + n` (each keeps the bucket of the same mask of its hash), which
+    /// receive only those: one pass in order, with no displacement and no random reads.
+    fn grow(&mut self) {
+        let n = self.buckets.len();
+        let old = std::mem::replace(&mut self.buckets, vec![Bucket::EMPTY; (n * 2).max(2)]);
+        for (i, bucket) in old.iter().enumerate() {
+            let mut fill = [0usize; 2];
+            for w in 0..WAYS {
+                if bucket.vals[w] == V::VACANT {
+                    continue;
+                }
+                let key = bucket.keys[w];
+                let (a, b) = self.buckets_of(key);
+                let to = if a & (n - 1) == i { a } else { b };
+                let half = usize::from(to != i);
+                self.put(to, fill[half], key, bucket.vals[w]);
+                fill[half] += 1;
+            }
+        }
+    }
+
+    /// Removes `key`; returns its value.
+    #[cfg(test)]
+    fn remove(&mut self, key: &BlockHash) -> Option<V> {
+        self.update(key, |v| *v, |_| false)
+    }
+
+    /// Keeps the entries for which `keep` (which may change the value, but not to
+    /// [`Vacant::VACANT`]) returns true.
+    pub(crate) fn retain(&mut self, mut keep: impl FnMut(BlockHash, &mut V) -> bool) {
+        for bucket in &mut self.buckets {
+            for w in 0..WAYS {
+                if bucket.vals[w] != V::VACANT
+                    && !keep(BlockHash::new(bucket.keys[w]), &mut bucket.vals[w])
+                {
+                    bucket.vals[w] = V::VACANT;
+                    self.len -= 1;
+                }
+            }
+        }
+    }
+
+    /// Every entry, in slot order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (BlockHash, V)> + '_ {
+        self.buckets.iter().flat_map(|b| {
+            (0..WAYS)
+                .filter(|&w| b.vals[w] != V::VACANT)
+                .map(|w| (BlockHash::new(b.keys[w]), b.vals[w]))
+        })
+    }
+
+    /// Every value, in slot order.
+    pub(crate) fn values(&self) -> impl Iterator<Item = V> + '_ {
+        self.iter().map(|(_, v)| v)
+    }
+
+    /// For a loop updating `keys` one by one: at every [`LOOKAHEAD`]-th position `at`, reads
+    /// the buckets of the next [`LOOKAHEAD`] keys. The reads do not depend on each other, so
+    /// their misses overlap, and the updates then find the lines in cache, where each update's
+    /// misses would otherwise be paid after the last.
+    #[inline]
+    pub(crate) fn warm_ahead(&self, keys: &[BlockHash], at: usize) {
+        if at % LOOKAHEAD == 0 {
+            let ahead = &keys[at..(at + LOOKAHEAD).min(keys.len())];
+            let found = ahead.iter().filter(|k| self.contains_key(k)).count();
+            std::hint::black_box(found);
+        }
+    }
+
+    /// Checks the table's own invariants (for tests): every entry in one of its buckets, each
+    /// key once, the count right.
+    #[cfg(test)]
+    fn check(&self) -> Result<(), String> {
+        let mut seen = std::collections::HashSet::new();
+        for (i, bucket) in self.buckets.iter().enumerate() {
+            for w in 0..WAYS {
+                if bucket.vals[w] == V::VACANT {
+                    continue;
+                }
+                let key = bucket.keys[w];
+                let (a, b) = self.buckets_of(key);
+                if i != a && i != b {
+                    return Err(format!("{key:#x} in bucket {i}, not its {a} or {b}"));
+                }
+                if !seen.insert(key) {
+                    return Err(format!("{key:#x} stored twice"));
+                }
+            }
+        }
+        if seen.len() != self.len {
+            return Err(format!("len {} but {} entries", self.len, seen.len()));
+        }
+        if !self.buckets.is_empty() && !self.buckets.len().is_power_of_two() {
+            return Err(format!("{} buckets", self.buckets.len()));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Insert(u64, u32),
+        Remove(u64),
+        Get(u64),
+        /// Removes the keys whose value is odd and adds one to the rest.
+        Retain,
+        Update(u64, u32),
+        /// Sets the value, removing the entry when it is a multiple of 3.
+        UpdateOrRemove(u64, u32),
+    }
+
+    /// Keys from a small pool (so removals and repeats hit), at spread-out and at small values.
+    fn key() -> impl Strategy<Value = u64> {
+        prop_oneof![
+            0u64..300,
+            (0u64..300).prop_map(|k| k.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+        ]
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            6 => (key(), 0u32..1000).prop_map(|(k, v)| Op::Insert(k, v)),
+            3 => key().prop_map(Op::Remove),
+            2 => key().prop_map(Op::Get),
+            2 => (key(), 0u32..1000).prop_map(|(k, v)| Op::Update(k, v)),
+            2 => (key(), 0u32..1000).prop_map(|(k, v)| Op::UpdateOrRemove(k, v)),
+            1 => Just(Op::Retain),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+        /// The same operations on the map and on a `BTreeMap` give the same answers; the table's
+        /// invariants hold after every step.
+        #[test]
+        fn behaves_like_a_map(ops in prop::collection::vec(op(), 1..600)) {
+            let mut map = BlockMap::<u32>::default();
+            let mut model = BTreeMap::<u64, u32>::new();
+            for op in ops {
+                match op {
+                    Op::Insert(k, v) => {
+                        prop_assert_eq!(map.insert(BlockHash::new(k), v), model.insert(k, v));
+                    }
+                    Op::Remove(k) => {
+                        prop_assert_eq!(map.remove(&BlockHash::new(k)), model.remove(&k));
+                    }
+                    Op::Get(k) => {
+                        prop_assert_eq!(map.get(&BlockHash::new(k)), model.get(&k).copied());
+                        prop_assert_eq!(map.contains_key(&BlockHash::new(k)), model.contains_key(&k));
+                    }
+                    Op::Update(k, v) => {
+                        if let Some(x) = map.get_mut(&BlockHash::new(k)) {
+                            *x = v;
+                        }
+                        if let Some(x) = model.get_mut(&k) {
+                            *x = v;
+                        }
+                    }
+                    Op::UpdateOrRemove(k, v) => {
+                        let got = map.update(&BlockHash::new(k), |x| std::mem::replace(x, v), |x| x % 3 != 0);
+                        let want = model.get_mut(&k).map(|x| std::mem::replace(x, v));
+                        if v % 3 == 0 {
+                            model.remove(&k);
+                        }
+                        prop_assert_eq!(got, want);
+                    }
+                    Op::Retain => {
+                        map.retain(|_, v| {
+                            *v += 1;
+                            *v % 2 == 1
+                        });
+                        model.retain(|_, v| {
+                            *v += 1;
+                            *v % 2 == 1
+                        });
+                    }
+                }
+                prop_assert_eq!(map.check(), Ok(()));
+                prop_assert_eq!(map.len(), model.len());
+                let mut all: Vec<(u64, u32)> = map.iter().map(|(k, v)| (k.get(), v)).collect();
+                all.sort_unstable();
+                prop_assert_eq!(all, model.iter().map(|(&k, &v)| (k, v)).collect::<Vec<_>>());
+            }
+        }
+    }
+
+    /// A million keys in, every one found, half removed, the rest still found: the walk and the
+    /// growth hold up at the highest load.
+    #[test]
+    fn a_million_keys() {
+        let mut map = BlockMap::<u32>::default();
+        let key = |i: u32| BlockHash::new(spread(u64::from(i) + 1));
+        for i in 0..1_000_000 {
+            assert_eq!(map.insert(key(i), i), None);
+        }
+        assert_eq!(map.len(), 1_000_000);
+        assert!((0..1_000_000).all(|i| map.get(&key(i)) == Some(i)));
+        for i in (0..1_000_000).step_by(2) {
+            assert_eq!(map.remove(&key(i)), Some(i));
+        }
+        assert!((0..1_000_000).all(|i| map.get(&key(i)) == (i % 2 == 1).then_some(i)));
+        assert_eq!(map.check(), Ok(()));
+    }
+}
