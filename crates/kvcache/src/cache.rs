@@ -3,7 +3,7 @@
 use crate::tier::HostTier;
 use kvblock::BlockHash;
 
-use crate::hasher::{warm_ahead, Map};
+use crate::blockmap::BlockMap;
 use crate::{Error, KvEvent};
 
 const NIL: u32 = u32::MAX;
@@ -89,7 +89,7 @@ pub struct CacheStats {
 #[derive(Debug, Clone)]
 pub struct BlockCache {
     capacity: Option<usize>,
-    map: Map<BlockHash, u32>,
+    map: BlockMap<u32>,
     slots: Vec<Slot>,
     free: Vec<u32>,
     /// Least recently used end of the list of unpinned resident blocks.
@@ -113,7 +113,9 @@ impl BlockCache {
     pub fn new(capacity: Option<usize>) -> Self {
         BlockCache {
             capacity,
-            map: Map::default(),
+            // At most half full: an engine's cache stays full, so its map lives at its
+            // highest load, where displacing entries would cost more than the room saves.
+            map: BlockMap::with_max_load(4),
             slots: Vec::new(),
             free: Vec::new(),
             head: NIL,
@@ -216,7 +218,7 @@ impl BlockCache {
     pub fn pin_count(&self, block: BlockHash) -> u32 {
         self.map
             .get(&block)
-            .map_or(0, |&s| self.slots[s as usize].pins)
+            .map_or(0, |s| self.slots[s as usize].pins)
     }
 
     /// Counters so far.
@@ -249,7 +251,7 @@ impl BlockCache {
                 return Some(c);
             }
         }
-        self.map.get(h).copied()
+        self.map.get(h)
     }
 
     /// Remembers that a chain walk went from `prev` (a slot, or NIL) to its child `s`.
@@ -315,17 +317,16 @@ impl BlockCache {
         // or a block after a gap.
         let mut fresh = self.slots.len();
         for (j, h) in new.iter().enumerate() {
-            warm_ahead(&self.map, new, j);
-            if let hashbrown::hash_map::Entry::Vacant(v) = self.map.entry(*h) {
-                let s = match self.free.pop() {
-                    Some(s) => s,
-                    None => {
-                        fresh += 1;
-                        // Below FREE and NIL: the resident count bounds this long before.
-                        u32::try_from(fresh - 1).map_or(FREE, |s| s.min(FREE))
-                    }
-                };
-                v.insert(s);
+            self.map.warm_ahead(new, j);
+            let s = match self.free.last() {
+                Some(&s) => s,
+                // Below FREE and NIL: the resident count bounds this long before.
+                None => u32::try_from(fresh).map_or(FREE, |s| s.min(FREE)),
+            };
+            if self.map.insert_absent(*h, s) {
+                if self.free.pop().is_none() {
+                    fresh += 1;
+                }
                 slots.push(s);
             } else {
                 let why = if new[..j].contains(h) {
@@ -597,7 +598,6 @@ impl BlockCache {
         let starts = self
             .map
             .values()
-            .copied()
             .filter(|&s| self.slots.get(s as usize).is_some_and(|x| x.pins > 0))
             .chain((protect != NIL).then_some(protect));
         for start in starts {
@@ -641,7 +641,8 @@ impl BlockCache {
             removed.push(hash);
         }
         // Apart, so that the removals' (cold) hash-table probes can overlap.
-        for hash in &removed {
+        for (i, hash) in removed.iter().enumerate() {
+            self.map.warm_ahead(&removed, i);
             self.map.remove(hash);
         }
         self.stats.evictions += removed.len() as u64;
@@ -759,12 +760,12 @@ impl BlockCache {
     pub fn check_invariants(&self) -> Result<(), String> {
         let n = self.slots.len();
         let mut resident = vec![false; n];
-        for (h, &s) in &self.map {
+        for (h, s) in self.map.iter() {
             let slot = self
                 .slots
                 .get(s as usize)
                 .ok_or_else(|| format!("{h} maps to missing slot {s}"))?;
-            if slot.hash != *h {
+            if slot.hash != h {
                 return Err(format!("{h} maps to slot {s} holding {}", slot.hash));
             }
             resident[s as usize] = true;

@@ -64,34 +64,3 @@ impl Hasher for FixedHasher {
 }
 
 pub(crate) type Map<K, V> = hashbrown::HashMap<K, V, FixedState>;
-
-/// Keys whose map slots [`warm_ahead`] reads ahead of updating them.
-const LOOKAHEAD: usize = 16;
-
-/// For a loop updating `keys` one by one: at every [`LOOKAHEAD`]-th position `at`, [`warm`]s
-/// the keys from `at` on, so the caller needs one line per loop.
-#[inline]
-pub(crate) fn warm_ahead<V>(
-    map: &Map<kvblock::BlockHash, V>,
-    keys: &[kvblock::BlockHash],
-    at: usize,
-) {
-    if at % LOOKAHEAD == 0 {
-        warm(map, &keys[at..(at + LOOKAHEAD).min(keys.len())]);
-    }
-}
-
-/// Reads the map slots of `keys` before they are updated one by one: these lookups do not
-/// depend on each other, so their cache misses overlap, and the updates then find the lines in
-/// cache, where each update's misses would otherwise be paid after the last. For a key that is
-/// present both its control bytes and its entry are read, for an absent one only the control
-/// bytes. Measured, it pays for the index's removals and the engine cache's reservations, not
-/// for the index's stores (mostly new keys into a growing map), which do without it.
-#[inline]
-fn warm<V>(map: &Map<kvblock::BlockHash, V>, keys: &[kvblock::BlockHash]) {
-    let mut found = 0usize;
-    for k in keys {
-        found += usize::from(map.contains_key(k));
-    }
-    std::hint::black_box(found);
-}
