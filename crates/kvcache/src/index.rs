@@ -857,6 +857,22 @@ impl CacheIndex {
         })
     }
 
+    /// Every block with its run hint (for snapshots).
+    pub(crate) fn run_hints(&self) -> impl Iterator<Item = (BlockHash, usize)> + '_ {
+        self.blocks.iter().map(|(b, set)| (b, set.run_hint()))
+    }
+
+    /// Sets the run hint of a block the index holds (from a snapshot); false if it holds none.
+    pub(crate) fn set_run_hint(&mut self, block: BlockHash, hint: usize) -> bool {
+        match self.blocks.get_mut(&block) {
+            Some(set) => {
+                *set = set.with_run_hint(hint);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Sets a registered worker's state from a snapshot; returns how many blocks were new.
     pub(crate) fn restore_worker(
         &mut self,
@@ -871,7 +887,7 @@ impl CacheIndex {
         };
         let mut stored = 0;
         for &b in blocks {
-            // Snapshots keep no run hints: these blocks are probed as if each ended a run.
+            // The snapshot's run hints are set once every worker is in.
             let (newly, _) = add_holder(&mut self.blocks, &mut self.spill, b, idx, 0);
             stored += usize::from(newly);
         }

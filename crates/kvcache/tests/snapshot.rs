@@ -85,6 +85,14 @@ fn unknown_version_and_corrupt_snapshots_are_errors() {
     let e = CacheIndex::restore(serde_json::from_value(dup).unwrap()).unwrap_err();
     assert!(e.to_string().contains("lists a block twice"), "{e}");
 
+    let mut stray = good.clone();
+    stray["run_hints"] = serde_json::json!([[9, 3], [12, 1]]);
+    let e = CacheIndex::restore(serde_json::from_value(stray).unwrap()).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "bad index snapshot: a run hint for 0x000000000000000c, which no worker holds"
+    );
+
     // Truncated or mistyped data never reaches restore: the serde format rejects it.
     let text = serde_json::to_string(&good).unwrap();
     assert!(serde_json::from_str::<IndexSnapshot>(&text[..text.len() / 2]).is_err());
@@ -92,4 +100,29 @@ fn unknown_version_and_corrupt_snapshots_are_errors() {
         r#"{"version": 1, "workers": [{"worker": "x"}]}"#
     )
     .is_err());
+}
+
+/// Run hints survive a snapshot (a restored router probes where the original did), and a
+/// snapshot written before they existed still restores, without them.
+#[test]
+fn run_hints_round_trip_and_old_snapshots_restore() {
+    let b = |i: u64| BlockHash::new(i);
+    let mut index = CacheIndex::new();
+    let blocks: Vec<BlockHash> = (1..=5).map(b).collect();
+    let stored = KvEvent::Stored {
+        parent: None,
+        blocks: blocks.clone(),
+    };
+    index.apply(WorkerId::new(3), 0, &stored).unwrap();
+    let snap = index.snapshot();
+    // Block i of the five-block event went on for 5 - i more: the last one (4 more) is left out.
+    let want: Vec<(BlockHash, u16)> = (1..=4).map(|i| (b(i), 5 - i as u16)).collect();
+    assert_eq!(snap.run_hints, want);
+    assert_eq!(CacheIndex::restore(snap.clone()).unwrap().snapshot(), snap);
+
+    let mut old = serde_json::to_value(&snap).unwrap();
+    old.as_object_mut().unwrap().remove("run_hints");
+    let restored = CacheIndex::restore(serde_json::from_value(old).unwrap()).unwrap();
+    assert!(restored.snapshot().run_hints.is_empty());
+    assert_eq!(restored.overlaps(&blocks).get(WorkerId::new(3)), 5);
 }
