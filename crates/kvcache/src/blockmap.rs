@@ -197,18 +197,10 @@ impl<V: Vacant> BlockMap<V> {
         // The common case in one pass over the two lines: absent, no growth, a free slot.
         if (self.len + 1) * 8 <= self.buckets.len() * WAYS * self.max_load {
             let (a, b) = self.buckets_of(k);
-            let (ba, bb) = (&self.buckets[a], &self.buckets[b]);
-            if ba.find(k).is_some() || bb.find(k).is_some() {
+            if self.buckets[a].find(k).is_some() || self.buckets[b].find(k).is_some() {
                 return false;
             }
-            let (fa, fb) = (ba.free(), bb.free());
-            if fa | fb != 0 {
-                let (at, free) = if fa.count_ones() >= fb.count_ones() {
-                    (a, fa)
-                } else {
-                    (b, fb)
-                };
-                self.put(at, free.trailing_zeros() as usize, k, val);
+            if self.put_in_emptier(a, b, k, val) {
                 self.len += 1;
                 return true;
             }
@@ -241,19 +233,28 @@ impl<V: Vacant> BlockMap<V> {
         self.buckets[at].vals[w] = val;
     }
 
-    /// Puts an entry into one of its buckets (the emptier: two choices keep the buckets even,
-    /// so both are full less often), displacing others if both are full. Returns the entry
-    /// left without a slot if that fails.
+    /// Puts an entry into the emptier of its buckets `a` and `b` (two choices keep the buckets
+    /// even, so both are full less often); false if both are full.
+    #[inline]
+    fn put_in_emptier(&mut self, a: usize, b: usize, key: u64, val: V) -> bool {
+        let (fa, fb) = (self.buckets[a].free(), self.buckets[b].free());
+        if fa | fb == 0 {
+            return false;
+        }
+        let (at, free) = if fa.count_ones() >= fb.count_ones() {
+            (a, fa)
+        } else {
+            (b, fb)
+        };
+        self.put(at, free.trailing_zeros() as usize, key, val);
+        true
+    }
+
+    /// Puts an entry into one of its buckets, displacing others if both are full. Returns the
+    /// entry left without a slot if that fails.
     fn place(&mut self, (key, val): (u64, V)) -> Option<(u64, V)> {
         let (a, b) = self.buckets_of(key);
-        let (fa, fb) = (self.buckets[a].free(), self.buckets[b].free());
-        if fa | fb != 0 {
-            let (at, free) = if fa.count_ones() >= fb.count_ones() {
-                (a, fa)
-            } else {
-                (b, fb)
-            };
-            self.put(at, free.trailing_zeros() as usize, key, val);
+        if self.put_in_emptier(a, b, key, val) {
             return None;
         }
         // Both full: an entry of either whose other bucket has room moves there (these reads
