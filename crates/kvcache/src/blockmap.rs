@@ -419,6 +419,9 @@ mod tests {
         Update(u64, u32),
         /// Sets the value, removing the entry when it is a multiple of 3.
         UpdateOrRemove(u64, u32),
+        /// Stores only if absent.
+        InsertAbsent(u64, u32),
+        Clear,
     }
 
     /// Keys from a small pool (so removals and repeats hit), at spread-out and at small values.
@@ -436,17 +439,19 @@ mod tests {
             2 => key().prop_map(Op::Get),
             2 => (key(), 0u32..1000).prop_map(|(k, v)| Op::Update(k, v)),
             2 => (key(), 0u32..1000).prop_map(|(k, v)| Op::UpdateOrRemove(k, v)),
+            4 => (key(), 0u32..1000).prop_map(|(k, v)| Op::InsertAbsent(k, v)),
+            1 => Just(Op::Clear),
             1 => Just(Op::Retain),
         ]
     }
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(256))]
-        /// The same operations on the map and on a `BTreeMap` give the same answers; the table's
-        /// invariants hold after every step.
+        /// The same operations on the map (at any highest load) and on a `BTreeMap` give the
+        /// same answers; the table's invariants hold after every step.
         #[test]
-        fn behaves_like_a_map(ops in prop::collection::vec(op(), 1..600)) {
-            let mut map = BlockMap::<u32>::default();
+        fn behaves_like_a_map(load in 1usize..8, ops in prop::collection::vec(op(), 1..600)) {
+            let mut map = BlockMap::<u32>::with_max_load(load);
             let mut model = BTreeMap::<u64, u32>::new();
             for op in ops {
                 match op {
@@ -475,6 +480,17 @@ mod tests {
                             model.remove(&k);
                         }
                         prop_assert_eq!(got, want);
+                    }
+                    Op::InsertAbsent(k, v) => {
+                        let absent = !model.contains_key(&k);
+                        if absent {
+                            model.insert(k, v);
+                        }
+                        prop_assert_eq!(map.insert_absent(BlockHash::new(k), v), absent);
+                    }
+                    Op::Clear => {
+                        map.clear();
+                        model.clear();
                     }
                     Op::Retain => {
                         map.retain(|_, v| {
