@@ -308,11 +308,15 @@ impl Overlaps {
     /// assert_eq!((o.run_at(i), o.get(w), o.max()), (1, 1, 1));
     /// # Ok::<(), kvcache::Error>(())
     /// ```
+    ///
+    /// An `index` no index hands out (2^24 or more) has no slot: the worker's run is still set.
     pub fn set_run(&mut self, index: usize, worker: WorkerId, run: usize) {
-        if self.runs.len() <= index {
-            self.runs.resize(index + 1, 0);
+        if index < MAX_WORKERS as usize {
+            if self.runs.len() <= index {
+                self.runs.resize(index + 1, 0);
+            }
+            self.runs[index] = run;
         }
-        self.runs[index] = run;
         self.matched.retain(|&(w, _)| w != worker);
         if run > 0 {
             let at = self.matched.partition_point(|&(_, r)| r <= run);
@@ -331,7 +335,8 @@ impl Overlaps {
 /// The router's view of many workers' caches, mirrored from their [`KvEvent`]s.
 ///
 /// - Events are applied per worker in id order (0, 1, 2, ...). A duplicate or older id is
-///   rejected ([`Error::StaleEvent`]); a gap is applied and reported ([`Applied::gap`]) and marks
+///   rejected ([`Error::StaleEvent`]), and so is `u64::MAX`, whose next id would not fit
+///   ([`Error::EventIdOutOfRange`]); a gap is applied and reported ([`Applied::gap`]) and marks
 ///   the worker possibly stale until it is cleared or removed. A `Stored` event whose parent the
 ///   worker does not hold is rejected ([`Error::UnknownParent`]), consumes its id and marks the
 ///   worker stale. Removing blocks the index never saw is counted ([`Applied::unknown_removed`]).
@@ -451,6 +456,10 @@ impl CacheIndex {
         let st = self.workers[idx as usize]
             .as_mut()
             .ok_or(Error::TooManyWorkers { worker })?;
+        if event_id == u64::MAX {
+            // Past it, the next id would not fit: the id could be replayed without end.
+            return Err(Error::EventIdOutOfRange { worker });
+        }
         if event_id < st.next_event {
             return Err(Error::StaleEvent {
                 worker,
@@ -463,7 +472,7 @@ impl CacheIndex {
             ..Applied::default()
         };
         st.stale |= out.gap.is_some();
-        st.next_event = event_id.saturating_add(1);
+        st.next_event = event_id + 1;
         // Only what is applied shapes the mirror: skipped events leave it stale, not holey,
         // unless removals are trusted to take leaves: a skipped `Removed` leaves blocks here
         // that the engine no longer holds, under which its later removals are not leaves. So a

@@ -175,6 +175,13 @@ pub enum Error {
         /// The next id the index expects.
         expected: u64,
     },
+    /// An event with id `u64::MAX`: ids run from 0 to 2^64 - 2, so that the id after every
+    /// applied one fits. The event was not applied.
+    #[error("{worker}: event id 18446744073709551615 (u64::MAX) is out of range: ids run from 0 to 2^64 - 2; not applied")]
+    EventIdOutOfRange {
+        /// The worker.
+        worker: WorkerId,
+    },
     /// A `Stored` event whose parent is not resident on that worker. Nothing was applied; the
     /// worker is marked possibly stale.
     #[error("{worker}: event {event_id} stores blocks under parent {parent}, which it does not hold; not applied")]

@@ -222,3 +222,47 @@ fn errors_name_the_values() {
     assert!(e.to_string().contains("parent 0x0000000000000005"), "{e}");
     assert!(index.is_stale(w));
 }
+
+/// The id after `u64::MAX` would not fit, so that id is refused outright: before, it was
+/// applied, the next expected id stayed `u64::MAX`, and the same id was applied again and again.
+#[test]
+fn the_last_event_id_is_refused_and_the_one_before_it_taken_once() {
+    let mut index = CacheIndex::new();
+    let w = WorkerId::new(2);
+    let stored = KvEvent::Stored {
+        parent: None,
+        blocks: vec![BlockHash::new(7)],
+    };
+    let e = index.apply(w, u64::MAX, &stored).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "worker 2: event id 18446744073709551615 (u64::MAX) is out of range: ids run from 0 to 2^64 - 2; not applied"
+    );
+    assert_eq!(index.block_count(w), 0, "nothing applied");
+    assert_eq!(index.next_event_id(w), Some(0));
+
+    let applied = index.apply(w, u64::MAX - 1, &stored).unwrap();
+    assert_eq!(applied.stored, 1);
+    assert_eq!(index.next_event_id(w), Some(u64::MAX));
+    for id in [u64::MAX - 1, u64::MAX] {
+        let removed = KvEvent::Removed {
+            blocks: vec![BlockHash::new(7)],
+        };
+        assert!(index.apply(w, id, &removed).is_err(), "id {id} taken again");
+    }
+    assert_eq!(index.block_count(w), 1);
+}
+
+/// `Overlaps::set_run` with an index no `CacheIndex` hands out sets the worker's run and
+/// allocates nothing for it (it panicked, or tried to allocate the index's worth of slots).
+#[test]
+fn set_run_with_an_index_out_of_range() {
+    let mut index = CacheIndex::new();
+    let w = WorkerId::new(1);
+    index.add_worker(w).unwrap();
+    let mut o = index.overlaps(&[BlockHash::new(1)]);
+    for at in [usize::MAX, 1 << 40, 1 << 24] {
+        o.set_run(at, w, 3);
+        assert_eq!((o.get(w), o.max(), o.run_at(at)), (3, 3, 0));
+    }
+}

@@ -49,6 +49,8 @@ pub enum Reject {
     Stale,
     /// `Error::UnknownParent`: a `Stored` under a parent the worker does not hold.
     Parent,
+    /// `Error::EventIdOutOfRange`: the id `u64::MAX`.
+    OutOfRange,
 }
 
 /// The naive index: registered workers in id order, each a plain set.
@@ -66,12 +68,15 @@ impl Model {
     /// The same accept/reject rules as `CacheIndex::apply` (registering an unknown worker).
     pub fn apply(&mut self, w: WorkerId, id: u64, ev: &KvEvent) -> Result<Outcome, Reject> {
         let st = self.workers.entry(w).or_default();
+        if id == u64::MAX {
+            return Err(Reject::OutOfRange);
+        }
         if id < st.next {
             return Err(Reject::Stale);
         }
         let gap = (id > st.next).then_some((st.next, id));
         st.stale |= gap.is_some();
-        st.next = id.saturating_add(1);
+        st.next = id + 1;
         match ev {
             KvEvent::Stored { parent, blocks } => {
                 if let Some(p) = parent {
@@ -182,6 +187,7 @@ pub fn same_outcome(
         }
         (Err(Error::StaleEvent { got, .. }), Err(Reject::Stale)) if *got == id => {}
         (Err(Error::UnknownParent { event_id, .. }), Err(Reject::Parent)) if *event_id == id => {}
+        (Err(Error::EventIdOutOfRange { .. }), Err(Reject::OutOfRange)) => {}
         (r, m) => return Err(format!("real {r:?}, model {m:?}")),
     }
     Ok(())
