@@ -614,3 +614,25 @@ proptest! {
         }
     }
 }
+
+/// The number after `u64::MAX` would not fit, so a batch numbered `u64::MAX` is refused: before,
+/// it was applied and the same number was then accepted again and again.
+#[test]
+fn the_last_sequence_number_is_refused() {
+    let mut router = router();
+    let mut ingest = VllmIngest::new();
+    ingest
+        .apply_multipart(&mut router, W0, &frames(0, fx!("stored_positional_int")))
+        .unwrap();
+    let before = router.cache_view(W0);
+    for _ in 0..2 {
+        let e = ingest
+            .apply_multipart(&mut router, W0, &frames(u64::MAX, fx!("stored_map_str")))
+            .unwrap_err();
+        assert_eq!(e, VllmError::SequenceOutOfRange { worker: W0 });
+        assert!(e.to_string().contains("u64::MAX"), "{e}");
+    }
+    assert_eq!(router.cache_view(W0), before, "nothing applied");
+    assert_eq!(ingest.next_seq(W0), 1);
+    assert_eq!(ingest.stats(W0).rejected, 2);
+}

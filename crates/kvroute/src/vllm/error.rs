@@ -132,6 +132,13 @@ pub enum VllmError {
         /// The next one expected.
         expected: u64,
     },
+    /// A batch numbered `u64::MAX`: sequence numbers run from 0 to 2^64 - 2, so that the one
+    /// after every applied batch fits. Nothing was applied.
+    #[error("{worker}: batch sequence number 18446744073709551615 (u64::MAX) is out of range: numbers run from 0 to 2^64 - 2; not applied")]
+    SequenceOutOfRange {
+        /// The worker.
+        worker: WorkerId,
+    },
     /// A [`MirrorSnapshot`](super::MirrorSnapshot) that cannot be restored.
     #[error("bad mirror snapshot: {why}")]
     BadSnapshot {

@@ -61,7 +61,7 @@ pub struct IngestSummary {
 pub struct IngestStats {
     /// Batches applied.
     pub batches: u64,
-    /// Batches rejected (malformed, invalid or duplicate).
+    /// Batches rejected (malformed, invalid, duplicate or numbered `u64::MAX`).
     pub rejected: u64,
     /// Engine events in applied batches.
     pub events: u64,
@@ -269,6 +269,11 @@ impl VllmIngest {
         let feed = self.feeds.entry(worker).or_default();
         let expected = feed.next_seq;
         let seq = seq.unwrap_or(expected);
+        if seq == u64::MAX {
+            // Past it, the next number would not fit: the batch could be replayed without end.
+            feed.totals.rejected += 1;
+            return Err(VllmError::SequenceOutOfRange { worker });
+        }
         let mut out = IngestSummary {
             seq,
             events: batch.events.len(),
@@ -297,7 +302,7 @@ impl VllmIngest {
             feed.primary = None;
             feed.skip_id = false;
         }
-        feed.next_seq = seq.saturating_add(1);
+        feed.next_seq = seq + 1;
         let bs = router.block_size();
         for event in &batch.events {
             match event {

@@ -114,6 +114,8 @@
 //!   and the batch is applied as the first of a new stream;
 //! - any other smaller one (a duplicate or a replay): rejected with
 //!   [`VllmError::DuplicateSequence`].
+//! - `u64::MAX` (the number after it would not fit): rejected with
+//!   [`VllmError::SequenceOutOfRange`].
 //!
 //! A batch that does not decode or validate is rejected whole before anything changes, and its
 //! sequence number is not consumed.

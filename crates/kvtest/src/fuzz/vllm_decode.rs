@@ -19,10 +19,11 @@
 //! After every message the index's invariants hold, and:
 //!
 //! - an error (a payload that does not decode, a bad frame, an unregistered worker, a block size
-//!   or token count the router cannot take, a duplicate sequence number) leaves the router
-//!   exactly as it was (the same index snapshot, cache view per worker and (block, worker) pair
-//!   count) and the ingest's expected sequence numbers and hash maps too; with good frames and a
-//!   registered worker, a payload that does not decode gives exactly the decoder's error;
+//!   or token count the router cannot take, a duplicate sequence number or `u64::MAX`) leaves
+//!   the router exactly as it was (the same index snapshot, cache view per worker and (block,
+//!   worker) pair count) and the ingest's expected sequence numbers and hash maps too; with
+//!   good frames and a registered worker, a payload that does not decode gives exactly the
+//!   decoder's error;
 //! - a success needs a payload that decodes; its summary counts that batch's events, its
 //!   sequence number is the one given (or the expected one), and the next one expected follows
 //!   it; a gap is reported exactly when the number is ahead, a restart exactly when it is behind
@@ -282,7 +283,8 @@ fn apply_one(router: &mut Router, ingest: &mut VllmIngest, ctl: u8, payload: &[u
             assert_eq!(s.events, batch.events.len(), "{s:?}");
             assert!(s.events_applied <= s.events, "{s:?}");
             assert_eq!(s.seq, seq, "{s:?}");
-            assert_eq!(ingest.next_seq(worker), seq.saturating_add(1), "{s:?}");
+            assert_ne!(seq, u64::MAX, "the last number applied: {s:?}");
+            assert_eq!(ingest.next_seq(worker), seq + 1, "{s:?}");
             assert_eq!(s.gap, (seq > expected).then_some((expected, seq)), "{s:?}");
             assert_eq!(s.restarted, seq < expected, "{s:?}");
             if seq < expected {
