@@ -194,6 +194,12 @@ pub enum Outcome {
         /// How many blocks.
         blocks: usize,
     },
+    /// Preempted under KV pressure (incremental allocation): back to the front of the queue,
+    /// to recompute what it lost when scheduled again.
+    Preempted {
+        /// The request.
+        id: u64,
+    },
     /// Its last token was produced; it has left the engine.
     Finished {
         /// The request.
@@ -1007,9 +1013,11 @@ impl Engine {
             self.private -= std::mem::take(&mut r.alloc);
             resize(&mut self.cache, self.cfg.kv_blocks, self.private);
         }
+        let id = r.id;
         self.waiting.push_front(v);
         self.blocked = false;
         self.preemptions += 1;
+        self.outcomes.push(Outcome::Preempted { id });
     }
 
     fn finish(&mut self, s: usize) {

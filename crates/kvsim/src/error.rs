@@ -32,6 +32,14 @@ pub enum Error {
     /// A malformed step-times CSV (see [`parse_steps`](crate::parse_steps)): file, line, what.
     #[error(transparent)]
     Steps(TraceError),
+    /// Malformed measured requests (OTLP spans or request records, see
+    /// [`parse_measured`](crate::parse_measured)): file, line, what.
+    #[error(transparent)]
+    Spans(TraceError),
+    /// An engine log that does not give what is needed (see
+    /// [`VllmLog`](crate::VllmLog)): file, line, what.
+    #[error(transparent)]
+    EngineLog(TraceError),
     /// Measured steps that do not determine the timing model (see
     /// [`fit_linear`](crate::fit_linear)).
     #[error("cannot fit the timing model: {0}")]

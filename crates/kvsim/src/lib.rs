@@ -51,21 +51,28 @@ mod calibrate;
 mod config;
 mod engine;
 mod error;
+mod fidelity;
 mod fleet;
 mod report;
 mod requests;
 mod rng;
 mod sim;
 mod slo;
+mod spans;
 mod stats;
 mod timing;
 mod trace;
+mod vllm_log;
 mod workload;
 
 pub use calibrate::{fit_linear, load_steps, parse_steps, LinearFit, StepSample, STEPS_HEADER};
 pub use config::{ArrivalModel, DpRouting, PdLink, Popularity, SimConfig, TraceTiming};
 pub use engine::{Engine, EngineConfig, EngineRequest, KvAllocation, Outcome, PlannedStep, Pool};
 pub use error::{Error, TraceError};
+pub use fidelity::{
+    compare_phases, fit_spans, phases_by_count, phases_by_window, FidelityError, PhaseComparison,
+    PhaseFigures, SpanFit, SpanFitOptions,
+};
 pub use kvroute::{CostModel, Policy};
 pub use report::{
     InstanceReport, PdReport, PoolReport, Report, TierReport, TurnReport, TurnsReport,
@@ -76,6 +83,8 @@ pub use requests::{
 };
 pub use sim::Simulation;
 pub use slo::{Slo, SloReport};
+pub use spans::{load_measured, parse_measured, record_line, LLM_REQUEST_SPAN};
+pub use vllm_log::VllmLog;
 pub use stats::Summary;
 pub use timing::{LinearTiming, PolynomialTiming, StepShape, TimingKind, TimingModel};
 pub use trace::{Lengths, Trace, TraceRequest, TraceStats, MAX_TOKENS};

@@ -41,6 +41,8 @@ pub(crate) struct RequestRecord {
     pub(crate) rejected: bool,
     /// Its turn in its session, from 1 (1 in an open-loop run).
     pub(crate) turn: u32,
+    /// Times its engine preempted it.
+    pub(crate) preemptions: u32,
 }
 
 /// What the simulator hands the report about one engine.

@@ -153,6 +153,10 @@ pub struct MeasuredRequest {
     pub finish_us: u64,
     /// It failed (an error status, a broken stream, a timeout): counted as rejected.
     pub failed: bool,
+    /// The instance that served it, when known (a simulation's requests).
+    pub instance: Option<usize>,
+    /// Times it was preempted, when known (a simulation's requests).
+    pub preemptions: Option<u32>,
 }
 
 impl MeasuredRequest {
@@ -173,7 +177,28 @@ impl MeasuredRequest {
             first_token_us,
             finish_us,
             failed: false,
+            instance: None,
+            preemptions: None,
         }
+    }
+
+    /// Time to first token, µs.
+    pub fn ttft_us(&self) -> u64 {
+        self.first_token_us.saturating_sub(self.arrival_us)
+    }
+
+    /// End-to-end latency, µs.
+    pub fn e2e_us(&self) -> u64 {
+        self.finish_us.saturating_sub(self.arrival_us)
+    }
+
+    /// Mean inter-token latency, µs: the time from the first token to the last over the gaps
+    /// between them; `None` for a failed request or fewer than two output tokens.
+    pub fn mean_itl_us(&self) -> Option<f64> {
+        (!self.failed && self.output_len > 1).then(|| {
+            self.finish_us.saturating_sub(self.first_token_us) as f64
+                / (self.output_len - 1) as f64
+        })
     }
 
     /// A request that failed after being sent at `arrival_us`.
@@ -216,6 +241,7 @@ pub fn measured_report(
                 finish: m.finish_us.max(m.first_token_us).max(m.arrival_us),
                 rejected: m.failed,
                 turn: 1,
+                preemptions: m.preemptions.unwrap_or(0),
             })
             .collect(),
         engines: vec![EngineRecord {

@@ -12,6 +12,7 @@ use crate::engine::{EngineRequest, Outcome, Pool};
 use crate::error::Error;
 use crate::fleet::{Fleet, Routers};
 use crate::report::{EngineRecord, Records, Report, RequestRecord};
+use crate::requests::MeasuredRequest;
 use crate::timing::{TimingKind, TimingModel};
 use crate::workload::{closed_plan, RequestSpec, Turn, Workload};
 
@@ -71,6 +72,47 @@ impl Simulation {
     /// [`run`](Self::run), calling `progress` with the number of requests that have arrived so
     /// far, about every 1% of them.
     pub fn run_with_progress(&self, progress: &mut dyn FnMut(usize)) -> Result<Report, Error> {
+        let (content, records) = self.records(progress)?;
+        Ok(Report::build(&self.cfg, content, records))
+    }
+
+    /// [`run`](Self::run), and every request as it was simulated, in arrival order: its
+    /// instance, cached tokens, first-token and finish times and preemptions (the records
+    /// `kvsim --requests-out` writes, see [`record_line`](crate::record_line)). A rejected
+    /// request is a failed one.
+    ///
+    /// ```
+    /// let mut cfg = kvsim::SimConfig::default();
+    /// cfg.num_requests = 20;
+    /// let (report, reqs) = kvsim::Simulation::new(cfg)?.run_requests()?;
+    /// assert_eq!(reqs.len(), 20);
+    /// let ttft_ms = reqs.iter().map(|r| r.ttft_us() as f64).sum::<f64>() / 20.0 / 1e3;
+    /// assert!((ttft_ms - report.ttft_ms.mean).abs() < 1e-6);
+    /// # Ok::<(), kvsim::Error>(())
+    /// ```
+    pub fn run_requests(&self) -> Result<(Report, Vec<MeasuredRequest>), Error> {
+        let (content, records) = self.records(&mut |_| {})?;
+        let bs = self.cfg.block_size.get();
+        let reqs = records
+            .requests
+            .iter()
+            .map(|r| {
+                let cached = ((r.hits + r.host_hits) * bs).min(r.input);
+                let mut m = if r.rejected {
+                    MeasuredRequest::failed(r.arrival, r.input)
+                } else {
+                    MeasuredRequest::new(r.arrival, r.input, r.output, cached, r.first_token, r.finish)
+                };
+                m.instance = (!r.rejected).then_some(r.engine);
+                m.preemptions = Some(r.preemptions);
+                m
+            })
+            .collect();
+        Ok((Report::build(&self.cfg, content, records), reqs))
+    }
+
+    /// Runs to the end: the report's description of the content and what it is built from.
+    fn records(&self, progress: &mut dyn FnMut(usize)) -> Result<(String, Records), Error> {
         let workload = Workload::new(&self.cfg);
         let content = workload.describe_run(&self.cfg);
         let mut run = Run::new(&self.cfg, &self.timing, workload, true)?;
@@ -80,9 +122,9 @@ impl Simulation {
             // does (very rare): run again step by step.
             let mut run = Run::new(&self.cfg, &self.timing, Workload::new(&self.cfg), false)?;
             run.simulate(progress);
-            return Ok(Report::build(&self.cfg, content, run.collect()));
+            return Ok((content, run.collect()));
         }
-        Ok(Report::build(&self.cfg, content, run.collect()))
+        Ok((content, run.collect()))
     }
 }
 
@@ -762,6 +804,7 @@ impl<'a> Run<'a> {
                 finish: 0,
                 rejected: false,
                 turn,
+                preemptions: 0,
             },
             router,
             decode_router: 0,
@@ -932,6 +975,7 @@ impl<'a> Run<'a> {
                     }
                 }
                 Outcome::PrefillDone { id, blocks } => self.hand_over(id as usize, blocks),
+                Outcome::Preempted { id } => self.reqs[id as usize].rec.preemptions += 1,
                 Outcome::Finished { id } => {
                     self.reqs[id as usize].rec.finish = now;
                     self.release_router(id as usize, pool);

@@ -190,6 +190,7 @@ mod tests {
             finish,
             rejected,
             turn: 1,
+            preemptions: 0,
         }
     }
 

@@ -86,7 +86,7 @@ fn round_us(x: f64) -> u64 {
 /// let t = LinearTiming::default();
 /// assert_eq!(t.step_us(&StepShape::new(8192, 0, 0)), 166_794);
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 #[non_exhaustive]
 pub struct LinearTiming {
     /// Fixed cost per step, µs (`--timing-base-us`).

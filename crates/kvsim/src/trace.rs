@@ -187,6 +187,68 @@ impl Trace {
         Ok(parser.finish(name))
     }
 
+    /// A trace of measured requests (spans, request records), which carry lengths and times
+    /// but no tokens: every prompt's first `shared_prefix_tokens` tokens are the same, the rest
+    /// unique to it, in blocks of `block_size`. Arrival times are the requests' own; failed
+    /// requests are left out (the engine did not serve them as measured).
+    ///
+    /// ```
+    /// use kvblock::BlockSize;
+    /// let reqs = [
+    ///     kvsim::MeasuredRequest::new(0, 40, 8, 0, 1_000, 9_000),
+    ///     kvsim::MeasuredRequest::new(5_000, 40, 8, 0, 6_000, 14_000),
+    /// ];
+    /// let t = kvsim::Trace::from_measured("spans", &reqs, 16, BlockSize::new(16)?);
+    /// let (a, b) = (&t.requests()[0], &t.requests()[1]);
+    /// assert_eq!(a.blocks[0], b.blocks[0]); // the shared 16 tokens
+    /// assert_ne!(a.blocks[1], b.blocks[1]); // the rest is each prompt's own
+    /// assert_eq!(b.arrival_us, 5_000);
+    /// # Ok::<(), kvblock::Error>(())
+    /// ```
+    pub fn from_measured(
+        name: &str,
+        requests: &[crate::MeasuredRequest],
+        shared_prefix_tokens: usize,
+        block_size: BlockSize,
+    ) -> Self {
+        let bs = block_size.get();
+        // Shared blocks are ids 1..; each prompt's own blocks count on from 2^40 (no prompt
+        // has 2^40 blocks, so the two ranges never meet).
+        let mut own = 1u64 << 40;
+        let requests = requests
+            .iter()
+            .filter(|r| !r.failed)
+            .map(|r| {
+                let full = r.input_len / bs;
+                let shared = shared_prefix_tokens.min(r.input_len) / bs;
+                let blocks = (0..full)
+                    .map(|j| {
+                        if j < shared {
+                            BlockHash::new(j as u64 + 1)
+                        } else {
+                            own += 1;
+                            BlockHash::new(own)
+                        }
+                    })
+                    .collect();
+                TraceRequest {
+                    arrival_us: r.arrival_us,
+                    input_len: r.input_len,
+                    output_len: r.output_len,
+                    blocks,
+                    partial: None,
+                    session: None,
+                    think_us: 0,
+                }
+            })
+            .collect();
+        Trace {
+            name: name.to_string(),
+            block_size,
+            requests,
+        }
+    }
+
     /// Whether any line carries a `session_id` (the trace is replayed closed-loop).
     pub fn has_sessions(&self) -> bool {
         self.requests.iter().any(|r| r.session.is_some())
