@@ -8,7 +8,7 @@ use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use kvblock::BlockSize;
 use kvsim::{
     ArrivalModel, CostModel, KvAllocation, LinearTiming, PdLink, Policy, Popularity, SimConfig,
-    Slo, TimingKind, Trace, TraceTiming,
+    Slo, TimingKind, Trace, TraceTiming, VllmLog,
 };
 
 /// Simulate a fleet of LLM engine replicas behind a KV-cache-aware router.
@@ -51,21 +51,43 @@ pub(crate) enum Cmd {
     },
     /// Run one simulation per value of a run parameter and tabulate the results.
     Sweep(Box<SweepArgs>),
-    /// Fit the linear timing model to measured engine steps (least squares on relative error)
-    /// and print the coefficients as --timing-* flags, with the mean absolute percentage error.
-    Calibrate {
-        /// Measured steps: a CSV with the header
-        /// prefill_tokens,decode_requests,context_tokens,step_us (any column order; other
-        /// columns ignored), one engine step per line.
-        #[arg(long, value_name = "FILE.csv")]
-        steps: PathBuf,
-        /// Output format: text or json.
-        #[arg(long, default_value = "text", value_parser = ["text", "json"], value_name = "FORMAT")]
-        format: String,
-    },
+    /// Fit the linear timing model to measured requests (--spans, with the simulator in the
+    /// loop) or to measured engine steps (--steps, least squares), and print the coefficients
+    /// as --timing-* flags. With --spans the last line gives every flag that reproduces the fit.
+    Calibrate(Box<CalibrateArgs>),
     /// Find the highest arrival rate (or the fewest instances) that keeps the --slo-* targets
     /// for a share of requests, by a parallel bisection over simulations.
     Capacity(Box<CapacityArgs>),
+}
+
+/// `kvsim calibrate`: its own flags, then every run flag (the engine the spans came from).
+#[derive(Debug, Args)]
+#[command(allow_negative_numbers = true, args_override_self = true)]
+pub(crate) struct CalibrateArgs {
+    /// Measured steps: a CSV with the header
+    /// prefill_tokens,decode_requests,context_tokens,step_us (any column order; other columns
+    /// ignored), one engine step per line. Instead of --spans.
+    #[arg(long, value_name = "FILE.csv", conflicts_with = "spans", required_unless_present = "spans")]
+    pub(crate) steps: Option<PathBuf>,
+    /// With --spans: cut the requests, in arrival order, into phases of N requests (a
+    /// benchmark's phases, e.g. guidellm's --max-requests).
+    #[arg(long, value_name = "N", default_value_t = 25, conflicts_with = "phase_window_s")]
+    pub(crate) phase_requests: usize,
+    /// With --spans: cut the requests into windows of S seconds of arrival time instead.
+    #[arg(long, value_name = "S")]
+    pub(crate) phase_window_s: Option<f64>,
+    /// With --spans: fit only these phases (e.g. 0,1 or 0-3) and predict the others; default
+    /// all.
+    #[arg(long, value_name = "LIST")]
+    pub(crate) fit_phases: Option<String>,
+    /// With --spans: simulations at most.
+    #[arg(long, value_name = "N", default_value_t = 1_500)]
+    pub(crate) max_evaluations: usize,
+    /// With --spans: draw each phase's mean TTFT, ITL and E2E, measured and simulated, as SVG.
+    #[arg(long, value_name = "FILE.svg")]
+    pub(crate) plot: Option<PathBuf>,
+    #[command(flatten)]
+    pub(crate) run: RunArgs,
 }
 
 /// `kvsim capacity`: the search's own flags, then every run flag.
@@ -201,12 +223,33 @@ pub(crate) struct RunArgs {
     #[arg(long, value_parser = parse_trace_timing, value_name = "MODE", help_heading = "Trace replay")]
     trace_timing: Option<TraceTiming>,
 
+    /// Replay measured requests (their arrival times, prompt and output lengths): vLLM's
+    /// OpenTelemetry request spans as a collector's file exporter writes them (one OTLP/JSON
+    /// resourceSpans object per line), or the JSONL records of kvload --record and
+    /// kvsim --requests-out.
+    #[arg(long, value_name = "FILE", conflicts_with = "trace", help_heading = "Measured requests")]
+    pub(crate) spans: Option<PathBuf>,
+    /// With --spans: tokens at the start of every prompt that all prompts share (spans carry no
+    /// tokens, so nothing else is shared).
+    #[arg(long, value_name = "N", requires = "spans", help_heading = "Measured requests")]
+    pub(crate) shared_prefix_tokens: Option<usize>,
+    /// Configure each engine as this vLLM startup log states: block size, KV blocks
+    /// (num_gpu_blocks or the KV cache size in tokens), --max-batched-tokens, --max-num-seqs,
+    /// and incremental KV allocation (as vLLM allocates). Flags given explicitly win.
+    #[arg(long, value_name = "FILE", help_heading = "Measured requests")]
+    pub(crate) vllm_log: Option<PathBuf>,
+    /// Also write every simulated request as one JSON line (arrival_us, prompt_tokens,
+    /// cached_tokens, output_tokens, ttft_us, e2e_us, mean_itl_us, status, instance,
+    /// preemptions): the format --spans reads back.
+    #[arg(long, value_name = "FILE.jsonl", help_heading = "Output")]
+    pub(crate) requests_out: Option<PathBuf>,
+
     /// Tokens per KV block, engines and router alike (a trace: its block size).
     #[arg(long, value_parser = parse_block_size, value_name = "TOKENS", help_heading = "Fleet")]
-    des_block_size: Option<usize>,
+    pub(crate) des_block_size: Option<usize>,
     /// Engine replicas behind the router.
     #[arg(long, value_name = "N", help_heading = "Fleet")]
-    des_instances: Option<usize>,
+    pub(crate) des_instances: Option<usize>,
     /// Data-parallel ranks per instance, each with its own KV cache (--des-kv-blocks) and batch.
     #[arg(long, value_name = "R", help_heading = "Fleet")]
     dp_ranks: Option<usize>,
@@ -390,6 +433,8 @@ const EXAMPLES: &str = "Examples:
   kvsim sweep --param des-overlap-weight=0,0.5,1,2,4 --plot sweep.svg
   kvsim capacity --slo-ttft-ms 2000 --slo-itl-ms 50 --attainment 0.99 --des-num-requests 2000
   kvsim calibrate --steps steps.csv               fit --timing-* to measured step times
+  kvsim calibrate --spans traces.otel.jsonl --vllm-log vllm.log   fit them to vLLM's request spans
+  kvsim --spans traces.otel.jsonl --vllm-log vllm.log --requests-out sim.jsonl
   kvsim capacity --find instances --request-rate 40 --slo-ttft-ms 2000 --des-num-requests 2000";
 
 /// Each `SimConfig` setting (as the library's errors name it) and the flag that sets it.
@@ -586,6 +631,7 @@ pub(crate) fn command() -> clap::Command {
         .mut_args(add)
         .mut_subcommand("sweep", |s| s.mut_args(add))
         .mut_subcommand("capacity", |s| s.mut_args(add))
+        .mut_subcommand("calibrate", |s| s.mut_args(add))
 }
 
 /// Parses a command line (the first item is the program name).
@@ -684,6 +730,20 @@ impl RunArgs {
     /// are one line naming the flag (or FILE:LINE for a trace).
     pub(crate) fn config(&self) -> Result<SimConfig, String> {
         let mut cfg = SimConfig::default();
+        if let Some(path) = &self.vllm_log {
+            let log = VllmLog::load(path).map_err(|e| format!("--vllm-log {e}"))?;
+            apply_vllm_log(&mut cfg, &log);
+        }
+        if let Some(path) = &self.spans {
+            let reqs = kvsim::load_measured(path).map_err(|e| format!("--spans {e}"))?;
+            let bs = match self.des_block_size {
+                Some(bs) => BlockSize::new(bs).map_err(|e| format!("--des-block-size: {e}"))?,
+                None => cfg.block_size,
+            };
+            let name = path.display().to_string();
+            let shared = self.shared_prefix_tokens.unwrap_or(0);
+            cfg = cfg.with_trace(Trace::from_measured(&name, &reqs, shared, bs));
+        }
         if let Some(path) = &self.trace {
             let bs = BlockSize::new(self.trace_block_size)
                 .map_err(|e| format!("--trace-block-size: {e}"))?;
@@ -819,6 +879,10 @@ impl RunArgs {
         Ok(cfg)
     }
 
+    pub(crate) fn requests_out(&self) -> Option<&std::path::Path> {
+        self.requests_out.as_deref()
+    }
+
     pub(crate) fn json(&self) -> bool {
         self.format == "json"
     }
@@ -831,6 +895,23 @@ impl RunArgs {
     pub(crate) fn progress(&self) -> bool {
         !self.quiet && std::io::stderr().is_terminal()
     }
+}
+
+/// The engine settings a vLLM log states, onto `cfg` (explicit flags are applied after).
+pub(crate) fn apply_vllm_log(cfg: &mut SimConfig, log: &VllmLog) {
+    if let Some(bs) = log.block_size.and_then(|b| BlockSize::new(b).ok()) {
+        cfg.block_size = bs;
+    }
+    if let Some(b) = log.kv_blocks(cfg.block_size.get()) {
+        cfg.kv_blocks = Some(b);
+    }
+    if let Some(t) = log.max_num_batched_tokens {
+        cfg.max_batched_tokens = t;
+    }
+    if let Some(n) = log.max_num_seqs {
+        cfg.max_num_seqs = n;
+    }
+    cfg.kv_allocation = KvAllocation::Incremental;
 }
 
 /// One line for a usage error: clap's first line, without its "error: " prefix.

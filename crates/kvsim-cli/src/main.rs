@@ -1,6 +1,7 @@
 //! The `kvsim` command: simulate a fleet of LLM engines behind a KV-aware router.
 
 mod args;
+mod calibrate;
 mod capacity;
 mod plot;
 mod row;
@@ -41,7 +42,7 @@ fn main() -> ExitCode {
         }) => trace_stats(&file, trace_block_size, &format),
         Some(Cmd::Sweep(args)) => sweep_command(&args),
         Some(Cmd::Capacity(args)) => capacity::main(&args),
-        Some(Cmd::Calibrate { steps, format }) => calibrate(&steps, &format),
+        Some(Cmd::Calibrate(args)) => calibrate::main(&args),
     }
 }
 
@@ -116,6 +117,26 @@ fn run(args: &RunArgs) -> ExitCode {
         Ok(s) => s,
         Err(e) => return usage_error(flagged(&e)),
     };
+    if let Some(path) = args.requests_out() {
+        let (report, reqs) = match sim.run_requests() {
+            Ok(x) => x,
+            Err(e) => return usage_error(flagged(&e)),
+        };
+        let mut lines = String::with_capacity(reqs.len() * 200);
+        for r in &reqs {
+            lines.push_str(&kvsim::record_line(r));
+            lines.push('\n');
+        }
+        if let Err(e) = std::fs::write(path, lines) {
+            return usage_error(format!("--requests-out {}: cannot write: {e}", path.display()));
+        }
+        if args.json() {
+            emit(&format!("{}\n", report.to_json()));
+        } else {
+            emit(&report.to_text(args.verbose()));
+        }
+        return ExitCode::SUCCESS;
+    }
     let bar = (args.progress() && total >= 20_000).then(|| sweep::bar(total as u64, "requests"));
     let result = match &bar {
         Some(b) => sim.run_with_progress(&mut |done| b.set_position(done as u64)),
@@ -165,78 +186,3 @@ fn trace_stats(file: &std::path::Path, block_size: usize, format: &str) -> ExitC
     }
 }
 
-/// `x` with `digits` significant digits, as the shortest decimal that reads back the same.
-fn significant(x: f64, digits: i32) -> String {
-    if x == 0.0 || !x.is_finite() {
-        return x.to_string();
-    }
-    let scale = 10f64.powi(digits - 1 - x.abs().log10().floor() as i32);
-    ((x * scale).round() / scale).to_string()
-}
-
-fn calibrate(file: &std::path::Path, format: &str) -> ExitCode {
-    let fit = match kvsim::load_steps(file).and_then(|s| kvsim::fit_linear(&s)) {
-        Ok(f) => f,
-        Err(e @ kvsim::Error::Fit(_)) => {
-            return usage_error(format!("--steps {}: {e}", file.display()))
-        }
-        Err(e) => return usage_error(format!("--steps {e}")),
-    };
-    if format == "json" {
-        let json = serde_json::to_string_pretty(&fit).unwrap_or_default();
-        emit(&format!("{json}\n"));
-        return ExitCode::SUCCESS;
-    }
-    use std::fmt::Write as _;
-    let mut out = String::new();
-    let c = [
-        ("--timing-base-us", fit.base_us, "us per step"),
-        (
-            "--timing-prefill-us",
-            fit.prefill_us_per_token,
-            "us per prefill token",
-        ),
-        (
-            "--timing-decode-us",
-            fit.decode_us_per_request,
-            "us per decoding request",
-        ),
-        (
-            "--timing-context-us",
-            fit.context_us_per_token,
-            "us per context token",
-        ),
-    ];
-    let _ = writeln!(
-        out,
-        "  Calibration: {} steps from {}, least squares on relative error",
-        fit.steps,
-        file.display()
-    );
-    for (flag, v, unit) in c {
-        let _ = writeln!(out, "  {:<20} {:>14}  {unit}", flag, significant(v, 6));
-    }
-    if !fit.fixed_at_zero.is_empty() {
-        let _ = writeln!(
-            out,
-            "  fixed at 0 (their column is 0 in every step): {}",
-            fit.fixed_at_zero.join(", ")
-        );
-    }
-    let _ = writeln!(
-        out,
-        "  Mean absolute percentage error {:.2}% (worst step {:.2}%)",
-        fit.mape * 100.0,
-        fit.max_ape * 100.0
-    );
-    if c.iter().any(|x| x.1 < 0.0) {
-        let _ = writeln!(out, "  WARNING: a negative coefficient: --timing-* accepts only >= 0; the linear model does not describe these steps well");
-    }
-    let flags: Vec<String> = c
-        .iter()
-        .map(|(f, v, _)| format!("{f} {}", significant(*v, 6)))
-        .collect();
-    let _ = writeln!(out, "  Flags: {}", flags.join(" "));
-    emit(&out);
-    ExitCode::SUCCESS
-}

@@ -141,3 +141,90 @@ fn finish<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(
         .map_err(|e| e.to_string())?;
     root.present().map_err(|e| e.to_string())
 }
+
+/// The fidelity chart: each phase's mean TTFT, ITL and E2E, measured and simulated, in three
+/// panels; the phases the fit saw are marked `*` on the x axis.
+pub(crate) fn draw_fidelity(
+    path: &Path,
+    title: &str,
+    phases: &[kvsim::PhaseComparison],
+) -> Result<(), String> {
+    let err = |e: &dyn std::fmt::Display| e.to_string();
+    let root = SVGBackend::new(path, (1200, 420)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let root = root
+        .titled(title, ("sans-serif", 20))
+        .map_err(|e| err(&e))?;
+    let panels = root.split_evenly((1, 3));
+    let n = phases.len().max(1);
+    let label = |x: &f64| {
+        let i = x.round();
+        match phases.get(i as usize) {
+            Some(p) if (x - i).abs() < 1e-6 && i >= 0.0 => {
+                format!("{}{}", p.phase, if p.fitted { "*" } else { "" })
+            }
+            _ => String::new(),
+        }
+    };
+    type Pick = fn(&kvsim::PhaseFigures) -> f64;
+    let metrics: [(&str, Pick); 3] = [
+        ("mean TTFT (ms)", |f| f.ttft_mean),
+        ("ITL (ms)", |f| f.itl_mean),
+        ("mean E2E (ms)", |f| f.e2e_mean),
+    ];
+    for (area, (name, pick)) in panels.iter().zip(metrics) {
+        let top = phases
+            .iter()
+            .flat_map(|p| [pick(&p.real), pick(&p.sim)])
+            .fold(1e-9, f64::max)
+            * 1.1;
+        let mut chart = ChartBuilder::on(area)
+            .margin(12)
+            .x_label_area_size(36)
+            .y_label_area_size(64)
+            .build_cartesian_2d(-0.5f64..(n as f64 - 0.5), 0f64..top)
+            .map_err(|e| err(&e))?;
+        chart
+            .configure_mesh()
+            .x_desc("phase (* fitted)")
+            .y_desc(name)
+            .x_labels(n.min(24) * 2 + 1)
+            .x_label_formatter(&label)
+            .disable_x_mesh()
+            .draw()
+            .map_err(|e| err(&e))?;
+        let pts = |sim: bool| -> Vec<(f64, f64)> {
+            phases
+                .iter()
+                .enumerate()
+                .map(|(i, p)| (i as f64, pick(if sim { &p.sim } else { &p.real })))
+                .collect()
+        };
+        let real = pts(false);
+        chart
+            .draw_series(LineSeries::new(real.clone(), BLACK.stroke_width(2)))
+            .map_err(|e| err(&e))?
+            .label("measured")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK.stroke_width(2)));
+        chart
+            .draw_series(real.iter().map(|&p| Circle::new(p, 4, BLACK.filled())))
+            .map_err(|e| err(&e))?;
+        let sim = pts(true);
+        chart
+            .draw_series(LineSeries::new(sim.clone(), RED.stroke_width(2)))
+            .map_err(|e| err(&e))?
+            .label("kvsim")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED.stroke_width(2)));
+        chart
+            .draw_series(sim.iter().map(|&p| TriangleMarker::new(p, 5, RED.filled())))
+            .map_err(|e| err(&e))?;
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|e| err(&e))?;
+    }
+    root.present().map_err(|e| err(&e))
+}

@@ -296,7 +296,7 @@ impl Default for SpanFitOptions {
         SpanFitOptions {
             shared_prefix_tokens: 0,
             fit_phases: Vec::new(),
-            max_evaluations: 600,
+            max_evaluations: 1_500,
         }
     }
 }
