@@ -917,11 +917,14 @@ pub(crate) fn apply_vllm_log(cfg: &mut SimConfig, log: &VllmLog) {
 /// One line for a usage error: clap's first line, without its "error: " prefix.
 pub(crate) fn one_line(e: &clap::Error) -> String {
     let text = e.render().to_string();
-    let first = text
-        .lines()
-        .find(|l| !l.trim().is_empty())
-        .unwrap_or("invalid arguments");
-    first.trim_start_matches("error: ").trim().to_string()
+    let mut lines = text.lines().filter(|l| !l.trim().is_empty());
+    let first = lines.next().unwrap_or("invalid arguments");
+    let first = first.trim_start_matches("error: ").trim();
+    // "the following required arguments were not provided:" names them on the next line.
+    match lines.next() {
+        Some(next) if first.ends_with(':') => format!("{first} {}", next.trim()),
+        _ => first.to_string(),
+    }
 }
 
 #[cfg(test)]
