@@ -114,11 +114,18 @@ struct Cli {
     /// No progress bar.
     #[arg(long, short, help_heading = "Output")]
     quiet: bool,
+    /// Also write every request as one JSON line (arrival_us, prompt_tokens, cached_tokens,
+    /// output_tokens, ttft_us, e2e_us, mean_itl_us, status), written after the run so that
+    /// recording costs the load nothing: `kvsim --spans FILE` replays it and
+    /// `kvsim calibrate --spans FILE` fits the simulator to it.
+    #[arg(long, value_name = "FILE.jsonl", help_heading = "Output")]
+    record: Option<std::path::PathBuf>,
 }
 
 const EXAMPLES: &str = "Examples:
   kvload --endpoint http://127.0.0.1:30000 --des-num-requests 500 --request-rate 8
   kvload --endpoint http://127.0.0.1:30000 --trace conversation.jsonl --trace-speedup 10
+  kvload --endpoint http://127.0.0.1:8000 --des-num-requests 300 --record run.jsonl   # then: kvsim calibrate --spans run.jsonl
   kvload --endpoint http://vllm-host:8000 --model meta-llama/Llama-3.1-8B-Instruct --api chat
   kvload --endpoint http://127.0.0.1:8000,http://127.0.0.1:8001 --des-num-requests 500  # two router replicas";
 
@@ -273,6 +280,17 @@ fn main() {
             std::process::exit(1);
         }
     };
+    if let Some(path) = &cli.record {
+        let mut lines = String::with_capacity(m.requests.len() * 180);
+        for r in &m.requests {
+            lines.push_str(&kvsim::record_line(r));
+            lines.push('\n');
+        }
+        if let Err(e) = std::fs::write(path, lines) {
+            eprintln!("kvload: --record {}: cannot write: {e}", path.display());
+            std::process::exit(1);
+        }
+    }
     let report = kvsim::measured_report(&cfg, format!("{content}, live"), &m.requests, &m.itl_us);
     let failed: usize = m.errors.iter().map(|e| e.1).sum();
     let lag = {
