@@ -111,10 +111,15 @@ fn kvload_measures_a_synthetic_pool_on_kvmock() {
     let v = json_of(&kvload(&recorded, Duration::from_secs(60)));
     let reqs = kvsim::load_measured(&record).unwrap();
     assert_eq!(reqs.len(), 30);
-    assert!(reqs.iter().all(|r| !r.failed && r.input_len == 300 && r.output_len == 5));
+    assert!(reqs
+        .iter()
+        .all(|r| !r.failed && r.input_len == 300 && r.output_len == 5));
     let cached: usize = reqs.iter().map(|r| r.cached_tokens).sum();
     let mean = v["avg_cached_tokens"].as_f64().unwrap();
-    assert!((cached as f64 / 30.0 - mean).abs() < 1.0, "{cached} vs {mean}");
+    assert!(
+        (cached as f64 / 30.0 - mean).abs() < 1.0,
+        "{cached} vs {mean}"
+    );
     std::fs::remove_file(&record).ok();
 
     // A cap on in-flight requests still completes everything.

@@ -67,11 +67,21 @@ pub(crate) struct CalibrateArgs {
     /// Measured steps: a CSV with the header
     /// prefill_tokens,decode_requests,context_tokens,step_us (any column order; other columns
     /// ignored), one engine step per line. Instead of --spans.
-    #[arg(long, value_name = "FILE.csv", conflicts_with = "spans", required_unless_present = "spans")]
+    #[arg(
+        long,
+        value_name = "FILE.csv",
+        conflicts_with = "spans",
+        required_unless_present = "spans"
+    )]
     pub(crate) steps: Option<PathBuf>,
     /// With --spans: cut the requests, in arrival order, into phases of N requests (a
     /// benchmark's phases, e.g. guidellm's --max-requests).
-    #[arg(long, value_name = "N", default_value_t = 25, conflicts_with = "phase_window_s")]
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 25,
+        conflicts_with = "phase_window_s"
+    )]
     pub(crate) phase_requests: usize,
     /// With --spans: cut the requests into windows of S seconds of arrival time instead.
     #[arg(long, value_name = "S")]
@@ -227,15 +237,25 @@ pub(crate) struct RunArgs {
     /// OpenTelemetry request spans as a collector's file exporter writes them (one OTLP/JSON
     /// resourceSpans object per line), or the JSONL records of kvload --record and
     /// kvsim --requests-out.
-    #[arg(long, value_name = "FILE", conflicts_with = "trace", help_heading = "Measured requests")]
+    #[arg(
+        long,
+        value_name = "FILE",
+        conflicts_with = "trace",
+        help_heading = "Measured requests"
+    )]
     pub(crate) spans: Option<PathBuf>,
     /// With --spans: tokens at the start of every prompt that all prompts share (spans carry no
     /// tokens, so nothing else is shared).
-    #[arg(long, value_name = "N", requires = "spans", help_heading = "Measured requests")]
+    #[arg(
+        long,
+        value_name = "N",
+        requires = "spans",
+        help_heading = "Measured requests"
+    )]
     pub(crate) shared_prefix_tokens: Option<usize>,
     /// Configure each engine as this vLLM startup log states: block size, KV blocks
     /// (num_gpu_blocks or the KV cache size in tokens), --max-batched-tokens, --max-num-seqs,
-    /// and incremental KV allocation (as vLLM allocates). Flags given explicitly win.
+    /// incremental KV allocation and --scheduler vllm. Flags given explicitly win.
     #[arg(long, value_name = "FILE", help_heading = "Measured requests")]
     pub(crate) vllm_log: Option<PathBuf>,
     /// Also write every simulated request as one JSON line (arrival_us, prompt_tokens,
@@ -281,6 +301,13 @@ pub(crate) struct RunArgs {
     /// counts preemptions and recomputed tokens).
     #[arg(long, value_parser = parse_kv_allocation, value_name = "MODE", help_heading = "Fleet")]
     kv_allocation: Option<KvAllocation>,
+    /// Step scheduling: kvsim (admit whenever a sequence slot and blocks are free) or vllm
+    /// (vLLM V1's scheduler: running requests first, waiting ones admitted while the step's
+    /// token budget, --max-num-seqs and free blocks allow, each chunk's blocks allocated as it
+    /// is scheduled, a cached prefix reused in whole blocks up to the prompt less one token;
+    /// always incremental allocation). --vllm-log sets vllm.
+    #[arg(long, value_parser = parse_scheduler, value_name = "RULES", help_heading = "Fleet")]
+    scheduler: Option<kvsim::Scheduler>,
     /// Step-time model: linear (the --timing-* coefficients) or polynomial (NVIDIA Dynamo
     /// mocker's: prefill quadratic in new tokens, decode quadratic in KV utilisation; see
     /// kvsim::PolynomialTiming).
@@ -455,6 +482,7 @@ pub(crate) const FLAGS: &[(&str, &str)] = &[
     ("max_batched_tokens", "--max-batched-tokens"),
     ("max_num_seqs", "--max-num-seqs"),
     ("kv_allocation", "--kv-allocation"),
+    ("scheduler", "--scheduler"),
     ("timing.base_us", "--timing-base-us"),
     ("timing.prefill_us_per_token", "--timing-prefill-us"),
     ("timing.decode_us_per_request", "--timing-decode-us"),
@@ -576,6 +604,7 @@ fn defaults() -> Vec<(&'static str, String)> {
         ("max_batched_tokens", d.max_batched_tokens.to_string()),
         ("max_num_seqs", d.max_num_seqs.to_string()),
         ("kv_allocation", d.kv_allocation.to_string()),
+        ("scheduler", d.scheduler.to_string()),
         ("timing_base_us", t.base_us.to_string()),
         ("timing_prefill_us", t.prefill_us_per_token.to_string()),
         ("timing_decode_us", t.decode_us_per_request.to_string()),
@@ -705,6 +734,10 @@ fn parse_pd_link(s: &str) -> Result<PdLink, String> {
 }
 
 fn parse_kv_allocation(s: &str) -> Result<KvAllocation, String> {
+    s.parse().map_err(expected)
+}
+
+fn parse_scheduler(s: &str) -> Result<kvsim::Scheduler, String> {
     s.parse().map_err(expected)
 }
 
@@ -859,6 +892,7 @@ impl RunArgs {
         set(&mut cfg.max_batched_tokens, &self.max_batched_tokens);
         set(&mut cfg.max_num_seqs, &self.max_num_seqs);
         set(&mut cfg.kv_allocation, &self.kv_allocation);
+        set(&mut cfg.scheduler, &self.scheduler);
         let t = cfg.timing;
         cfg.timing = LinearTiming::new(
             self.timing_base_us.unwrap_or(t.base_us),
@@ -912,6 +946,7 @@ pub(crate) fn apply_vllm_log(cfg: &mut SimConfig, log: &VllmLog) {
         cfg.max_num_seqs = n;
     }
     cfg.kv_allocation = KvAllocation::Incremental;
+    cfg.scheduler = kvsim::Scheduler::Vllm;
 }
 
 /// One line for a usage error: clap's first line, without its "error: " prefix.

@@ -31,7 +31,9 @@ fn parse_phases(s: &str) -> Result<Vec<usize>, String> {
             Some((a, b)) => {
                 let (a, b) = (num(a)?, num(b)?);
                 if a > b || b - a > 1_000_000 {
-                    return Err(format!("invalid --fit-phases {s:?}: {a}-{b} is not a range"));
+                    return Err(format!(
+                        "invalid --fit-phases {s:?}: {a}-{b} is not a range"
+                    ));
                 }
                 out.extend(a..=b);
             }
@@ -39,7 +41,9 @@ fn parse_phases(s: &str) -> Result<Vec<usize>, String> {
         }
     }
     if out.is_empty() {
-        return Err(format!("invalid --fit-phases {s:?}: expected at least one phase"));
+        return Err(format!(
+            "invalid --fit-phases {s:?}: expected at least one phase"
+        ));
     }
     out.sort_unstable();
     out.dedup();
@@ -99,9 +103,18 @@ fn spans(args: &CalibrateArgs, file: &Path) -> ExitCode {
     let t = fit.timing;
     let mut flags = vec![
         format!("--timing-base-us {}", significant(t.base_us, 6)),
-        format!("--timing-prefill-us {}", significant(t.prefill_us_per_token, 6)),
-        format!("--timing-decode-us {}", significant(t.decode_us_per_request, 6)),
-        format!("--timing-context-us {}", significant(t.context_us_per_token, 6)),
+        format!(
+            "--timing-prefill-us {}",
+            significant(t.prefill_us_per_token, 6)
+        ),
+        format!(
+            "--timing-decode-us {}",
+            significant(t.decode_us_per_request, 6)
+        ),
+        format!(
+            "--timing-context-us {}",
+            significant(t.context_us_per_token, 6)
+        ),
         format!("--des-block-size {}", cfg.block_size),
     ];
     if let Some(b) = cfg.kv_blocks {
@@ -110,6 +123,7 @@ fn spans(args: &CalibrateArgs, file: &Path) -> ExitCode {
     flags.push(format!("--max-batched-tokens {}", cfg.max_batched_tokens));
     flags.push(format!("--max-num-seqs {}", cfg.max_num_seqs));
     flags.push(format!("--kv-allocation {}", cfg.kv_allocation));
+    flags.push(format!("--scheduler {}", cfg.scheduler));
     flags.push(format!("--des-instances {}", cfg.instances));
     if let Some(n) = args.run.shared_prefix_tokens.filter(|&n| n > 0) {
         flags.push(format!("--shared-prefix-tokens {n}"));
@@ -126,7 +140,10 @@ fn spans(args: &CalibrateArgs, file: &Path) -> ExitCode {
             "evaluations": fit.evaluations,
             "flags": flags.join(" "),
         });
-        emit(&format!("{}\n", serde_json::to_string_pretty(&doc).unwrap_or_default()));
+        emit(&format!(
+            "{}\n",
+            serde_json::to_string_pretty(&doc).unwrap_or_default()
+        ));
         return ExitCode::SUCCESS;
     }
     let mut out = String::new();
@@ -142,12 +159,13 @@ fn spans(args: &CalibrateArgs, file: &Path) -> ExitCode {
     );
     let _ = writeln!(
         out,
-        "  Engine: block {} tok, {} KV blocks, {} tokens per step, {} sequences, {} allocation, {} instance(s)",
+        "  Engine: block {} tok, {} KV blocks, {} tokens per step, {} sequences, {} allocation, {} scheduler, {} instance(s)",
         cfg.block_size,
         cfg.kv_blocks.map_or("unbounded".to_string(), |b| b.to_string()),
         cfg.max_batched_tokens,
         cfg.max_num_seqs,
         cfg.kv_allocation,
+        cfg.scheduler,
         cfg.instances
     );
     out.push_str(&phase_table(&fit.phases));

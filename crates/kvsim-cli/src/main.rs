@@ -128,7 +128,10 @@ fn run(args: &RunArgs) -> ExitCode {
             lines.push('\n');
         }
         if let Err(e) = std::fs::write(path, lines) {
-            return usage_error(format!("--requests-out {}: cannot write: {e}", path.display()));
+            return usage_error(format!(
+                "--requests-out {}: cannot write: {e}",
+                path.display()
+            ));
         }
         if args.json() {
             emit(&format!("{}\n", report.to_json()));
@@ -185,4 +188,3 @@ fn trace_stats(file: &std::path::Path, block_size: usize, format: &str) -> ExitC
         Err(e) => usage_error(flagged(&e)),
     }
 }
-

@@ -524,10 +524,21 @@ fn requests_out_replays_and_calibrates_with_spans() {
     let dir = std::env::temp_dir().join(format!("kvsim-spans-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let made = dir.join("made.jsonl");
-    let log = concat!(env!("CARGO_MANIFEST_DIR"), "/../kvsim/tests/fixtures/vllm.log");
+    let log = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../kvsim/tests/fixtures/vllm.log"
+    );
     let gen = [
-        "--des-instances", "1", "--des-num-requests", "40", "--output-len", "30",
-        "--request-rate", "20", "--timing-base-us", "9000",
+        "--des-instances",
+        "1",
+        "--des-num-requests",
+        "40",
+        "--output-len",
+        "30",
+        "--request-rate",
+        "20",
+        "--timing-base-us",
+        "9000",
     ];
     let mut args = gen.to_vec();
     args.extend(["--requests-out", made.to_str().unwrap()]);
@@ -537,20 +548,35 @@ fn requests_out_replays_and_calibrates_with_spans() {
     assert_eq!(report, kvsim(&gen).1);
     let text = std::fs::read_to_string(&made).unwrap();
     assert_eq!(text.lines().count(), 40);
-    assert!(text.lines().all(|l| l.contains("\"instance\":0") && l.contains("\"preemptions\":0")));
+    assert!(text
+        .lines()
+        .all(|l| l.contains("\"instance\":0") && l.contains("\"preemptions\":0")));
 
     let (code, out, err) = kvsim(&[
-        "calibrate", "--spans", made.to_str().unwrap(), "--shared-prefix-tokens", "2048",
-        "--phase-requests", "10", "--fit-phases", "0-2", "--max-evaluations", "150",
-        "--vllm-log", log,
+        "calibrate",
+        "--spans",
+        made.to_str().unwrap(),
+        "--shared-prefix-tokens",
+        "2048",
+        "--phase-requests",
+        "10",
+        "--fit-phases",
+        "0-2",
+        "--max-evaluations",
+        "150",
+        "--vllm-log",
+        log,
     ]);
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains("Engine: block 16 tok, 2537 KV blocks, 4096 tokens per step, 256 sequences, incremental allocation, 1 instance(s)"), "{out}");
+    assert!(out.contains("Engine: block 16 tok, 2537 KV blocks, 4096 tokens per step, 256 sequences, incremental allocation, vllm scheduler, 1 instance(s)"), "{out}");
     assert!(out.contains("held-out phases (1 phases)"), "{out}");
     // The last line is every flag that reproduces the fit, and a run takes them.
     let last = out.lines().last().unwrap();
     let flags = last.strip_prefix("  Flags: ").expect(last);
-    assert!(flags.starts_with("--timing-base-us ") && flags.ends_with("--shared-prefix-tokens 2048"), "{flags}");
+    assert!(
+        flags.starts_with("--timing-base-us ") && flags.ends_with("--shared-prefix-tokens 2048"),
+        "{flags}"
+    );
     let mut run = vec!["--spans", made.to_str().unwrap()];
     run.extend(flags.split(' '));
     let (code, out, err) = kvsim(&run);
@@ -563,10 +589,40 @@ fn requests_out_replays_and_calibrates_with_spans() {
     let bad = bad.to_str().unwrap();
     for (args, needle) in [
         (vec!["--spans", bad], "--spans "),
-        (vec!["--spans", bad], "bad.jsonl:1: a request record needs output_tokens"),
-        (vec!["calibrate", "--spans", made.to_str().unwrap(), "--fit-phases", "9"], "--fit-phases: phase 9, but the requests make 2 phases (0-1)"),
-        (vec!["calibrate", "--spans", made.to_str().unwrap(), "--fit-phases", "x"], "invalid --fit-phases \"x\""),
-        (vec!["calibrate", "--spans", made.to_str().unwrap(), "--phase-window-s", "-1"], "invalid --phase-window-s -1"),
+        (
+            vec!["--spans", bad],
+            "bad.jsonl:1: a request record needs output_tokens",
+        ),
+        (
+            vec![
+                "calibrate",
+                "--spans",
+                made.to_str().unwrap(),
+                "--fit-phases",
+                "9",
+            ],
+            "--fit-phases: phase 9, but the requests make 2 phases (0-1)",
+        ),
+        (
+            vec![
+                "calibrate",
+                "--spans",
+                made.to_str().unwrap(),
+                "--fit-phases",
+                "x",
+            ],
+            "invalid --fit-phases \"x\"",
+        ),
+        (
+            vec![
+                "calibrate",
+                "--spans",
+                made.to_str().unwrap(),
+                "--phase-window-s",
+                "-1",
+            ],
+            "invalid --phase-window-s -1",
+        ),
         (vec!["--vllm-log", bad], "--vllm-log "),
         (vec!["--shared-prefix-tokens", "16"], "--spans"),
         (vec!["--spans", bad, "--trace", bad], "cannot be used with"),

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use kvblock::BlockSize;
 use kvroute::{CostModel, Policy};
 
-use crate::engine::KvAllocation;
+use crate::engine::{KvAllocation, Scheduler};
 use crate::error::Error;
 use crate::slo::Slo;
 use crate::timing::{LinearTiming, PolynomialTiming, TimingKind};
@@ -247,6 +247,9 @@ pub struct SimConfig {
     /// Reserve each request's blocks at admission, or allocate them as it decodes and preempt
     /// the newest request when none is free (`--kv-allocation`).
     pub kv_allocation: KvAllocation,
+    /// How engines schedule a step (`--scheduler`): kvsim's own rules, or vLLM V1's (which
+    /// allocate blocks incrementally whatever `kv_allocation` says).
+    pub scheduler: Scheduler,
     /// The default timing model's coefficients (`--timing-*`).
     pub timing: LinearTiming,
     /// Which timing model the engines use (`--timing`): `timing` or `polynomial`.
@@ -368,6 +371,7 @@ impl Default for SimConfig {
             max_batched_tokens: 8192,
             max_num_seqs: 256,
             kv_allocation: KvAllocation::Reserve,
+            scheduler: Scheduler::Kvsim,
             timing: LinearTiming::default(),
             timing_kind: TimingKind::Linear,
             polynomial: PolynomialTiming::default(),

@@ -93,6 +93,54 @@ impl std::str::FromStr for KvAllocation {
     }
 }
 
+/// How an engine schedules a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum Scheduler {
+    /// kvsim's own (the default, and what every report so far used): waiting requests are
+    /// admitted at a step's start whenever a sequence slot and their KV blocks are free,
+    /// whatever the token budget; a full prompt hit recomputes only the last token.
+    #[default]
+    Kvsim,
+    /// As vLLM V1's scheduler (`vllm/v1/core/sched/scheduler.py`, `schedule()`), with
+    /// incremental allocation: running requests first, each decode one token of the budget and
+    /// a partial prefill what the budget leaves, its chunk's blocks allocated as it is
+    /// scheduled (the newest running request preempted when none is free); then, only if no
+    /// request was preempted in this step, waiting requests in order while the budget,
+    /// `max_num_seqs` and free blocks allow, each with a first chunk in this same step. A
+    /// cached prefix counts in whole blocks up to the prompt length less one token
+    /// (`get_computed_blocks` in `vllm/v1/core/kv_cache_manager.py`).
+    Vllm,
+}
+
+impl Scheduler {
+    /// The name the CLI uses: `kvsim` or `vllm`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Scheduler::Kvsim => "kvsim",
+            Scheduler::Vllm => "vllm",
+        }
+    }
+}
+
+impl std::fmt::Display for Scheduler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Scheduler {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> Result<Self, crate::Error> {
+        match s {
+            "kvsim" => Ok(Scheduler::Kvsim),
+            "vllm" => Ok(Scheduler::Vllm),
+            _ => Err(crate::Error::invalid("scheduler", s, "kvsim or vllm")),
+        }
+    }
+}
+
 /// The settings of one engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -114,6 +162,9 @@ pub struct EngineConfig {
     pub host_load_ns_per_block: u64,
     /// Reserve a request's blocks at admission, or allocate as it decodes and preempt.
     pub kv_allocation: KvAllocation,
+    /// How steps are scheduled ([`Scheduler::Vllm`] allocates incrementally whatever
+    /// `kv_allocation` says).
+    pub scheduler: Scheduler,
 }
 
 impl EngineConfig {
@@ -129,7 +180,19 @@ impl EngineConfig {
             host_kv_blocks: None,
             host_load_ns_per_block: 0,
             kv_allocation: KvAllocation::Reserve,
+            scheduler: Scheduler::Kvsim,
         }
+    }
+
+    /// Whether steps follow vLLM V1's rules: [`Scheduler::Vllm`] on an engine that prefills
+    /// (a decode engine receives whole prompts and is scheduled as before).
+    fn vllm(&self) -> bool {
+        self.scheduler == Scheduler::Vllm && self.pool != Pool::Decode
+    }
+
+    /// Whether blocks are allocated as requests go (incremental allocation or vLLM's rules).
+    fn incremental(&self) -> bool {
+        self.kv_allocation == KvAllocation::Incremental || self.scheduler == Scheduler::Vllm
     }
 }
 
@@ -506,8 +569,13 @@ impl Engine {
         true
     }
 
-    /// Schedules waiting requests, first come first served, while the head fits.
+    /// Schedules waiting requests, first come first served, while the head fits. Under
+    /// [`Scheduler::Vllm`] admission is part of [`plan_step`](Self::plan_step) (it depends on
+    /// the step's budget), and this does nothing.
     pub fn admit(&mut self) {
+        if self.cfg.vllm() {
+            return;
+        }
         while let Some(&s) = self.waiting.front() {
             if self.running() >= self.cfg.max_num_seqs || !self.admit_one(s) {
                 break;
@@ -520,6 +588,9 @@ impl Engine {
     /// Starts the next step, if anything is scheduled: prefill chunks under the token budget
     /// and one decode token per decoding request.
     pub fn plan_step(&mut self) -> Option<PlannedStep> {
+        if self.cfg.vllm() {
+            return self.plan_step_vllm();
+        }
         if !self.grow.is_empty() {
             self.grow_blocks();
         }
@@ -539,6 +610,169 @@ impl Engine {
             budget -= chunk;
             prefill_tokens += chunk;
         }
+        Some(self.start_step(prefill_tokens))
+    }
+
+    /// [`plan_step`](Self::plan_step) under [`Scheduler::Vllm`]: decodes' blocks (which may
+    /// preempt), then running prefills in admission order with their chunks' blocks, then
+    /// waiting requests while the budget, the sequence slots and free blocks allow.
+    fn plan_step_vllm(&mut self) -> Option<PlannedStep> {
+        let before = self.preemptions;
+        if !self.grow.is_empty() {
+            self.grow_blocks();
+        }
+        // Each decode takes one token of the budget (vLLM requires max_num_seqs <=
+        // max_num_batched_tokens, so decodes alone never exceed it).
+        let mut budget = self.cfg.max_batched_tokens.saturating_sub(self.decoding);
+        let mut prefill_tokens = 0;
+        self.chunks.clear();
+        let mut i = 0;
+        while i < self.prefilling.len() && budget > 0 {
+            let s = self.prefilling[i];
+            let Some(r) = &self.slots[s] else {
+                i += 1;
+                continue;
+            };
+            let chunk = r.prefill_left.min(budget);
+            // Preempting makes room from the newest request back; if that reaches this one, it
+            // and every newer one are waiting again and the step schedules no more.
+            if !self.allocate_chunk(s, chunk) {
+                break;
+            }
+            self.chunks.push((s, chunk));
+            budget -= chunk;
+            prefill_tokens += chunk;
+            i += 1;
+        }
+        // vLLM admits nothing in a step that preempted (unless nothing else runs: an empty
+        // step would only come back here).
+        let idle = self.chunks.is_empty() && self.decoding == 0;
+        if self.preemptions == before || idle {
+            while budget > 0 && self.running() < self.cfg.max_num_seqs {
+                let Some(&s) = self.waiting.front() else {
+                    break;
+                };
+                let Some(chunk) = self.admit_vllm(s, budget) else {
+                    break;
+                };
+                self.waiting.pop_front();
+                self.chunks.push((s, chunk));
+                budget -= chunk;
+                prefill_tokens += chunk;
+            }
+        }
+        self.blocked = !self.waiting.is_empty();
+        if self.chunks.is_empty() && self.decoding == 0 {
+            return None;
+        }
+        Some(self.start_step(prefill_tokens))
+    }
+
+    /// Allocates the blocks request `s` needs to compute `chunk` more prompt tokens,
+    /// preempting the newest scheduled request while none is free; false when `s` itself was
+    /// preempted.
+    fn allocate_chunk(&mut self, s: usize, chunk: usize) -> bool {
+        let Some(r) = self.slots[s].as_ref() else {
+            return false;
+        };
+        if self.cfg.kv_blocks.is_none() {
+            return true;
+        }
+        let computed = r.input - r.prefill_left;
+        let need = self
+            .cfg
+            .block_size
+            .blocks_for(computed + chunk)
+            .saturating_sub(r.hits + r.alloc);
+        loop {
+            if resize(&mut self.cache, self.cfg.kv_blocks, self.private + need) {
+                self.private += need;
+                if let Some(r) = self.slots[s].as_mut() {
+                    r.alloc += need;
+                }
+                return true;
+            }
+            let Some(v) = self.newest_scheduled() else {
+                return false;
+            };
+            self.preempt(v);
+            if v == s {
+                return false;
+            }
+        }
+    }
+
+    /// The slot of the scheduled request admitted last.
+    fn newest_scheduled(&self) -> Option<usize> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| r.as_ref().filter(|r| r.scheduled).map(|r| (r.seq, i)))
+            .max()
+            .map(|(_, i)| i)
+    }
+
+    /// Admits waiting request `s` under [`Scheduler::Vllm`] with a first chunk of at most
+    /// `budget` tokens, if the blocks of its cached run and of that chunk fit: the chunk's
+    /// size, or `None` (nothing changed).
+    fn admit_vllm(&mut self, s: usize, budget: usize) -> Option<usize> {
+        let bs = self.cfg.block_size.get();
+        let r = self.slots[s].as_mut()?;
+        // A cached prefix counts in whole blocks, at most the prompt less its last token
+        // (which is computed again for the first output token's logits).
+        let cap = (r.input.saturating_sub(1) / bs).min(r.blocks.len());
+        r.held.clear();
+        let hits = self.cache.pin_into(&r.blocks[..cap], &mut r.held);
+        let host_run = if r.first_done {
+            0
+        } else {
+            self.cache.take_host_run(&r.blocks[..cap], hits)
+        };
+        let cached = (hits + host_run) * bs;
+        let chunk = (r.input - cached).min(budget);
+        let need = self.cfg.block_size.blocks_for(cached + chunk) - hits;
+        if !resize(&mut self.cache, self.cfg.kv_blocks, self.private + need) {
+            let r = self.slots[s].as_mut()?;
+            self.cache.unpin_slots(&r.blocks[..hits], &r.held);
+            r.held.clear();
+            return None;
+        }
+        let bounded = self.cfg.kv_blocks.is_some();
+        if bounded {
+            self.private += need;
+        }
+        let r = self.slots[s].as_mut()?;
+        let id = r.id;
+        r.hits = hits;
+        r.alloc = if bounded { need } else { 0 };
+        r.scheduled = true;
+        self.admissions += 1;
+        r.seq = self.admissions;
+        r.prefill_left = r.input - cached;
+        self.prefilling.push_back(s);
+        if r.first_done {
+            // Resumed after a preemption: it recomputes what it lost, as a prefill.
+            self.recomputed_tokens += r.prefill_left as u64;
+            return Some(chunk);
+        }
+        self.outcomes.push(Outcome::Admitted {
+            id,
+            cached_blocks: hits,
+        });
+        if host_run > 0 {
+            self.load_ns = self
+                .load_ns
+                .saturating_add((host_run as u64).saturating_mul(self.cfg.host_load_ns_per_block));
+            self.outcomes.push(Outcome::HostLoaded {
+                id,
+                blocks: host_run,
+            });
+        }
+        Some(chunk)
+    }
+
+    /// Starts the step whose prefill chunks are planned: its shape and duration.
+    fn start_step(&mut self, prefill_tokens: usize) -> PlannedStep {
         self.step_decode = self.decoding;
         let shape = StepShape::new(prefill_tokens as u64, self.decoding as u64, self.context);
         // Host-tier loads of the requests just admitted stall this step.
@@ -547,7 +781,7 @@ impl Engine {
         self.busy = true;
         self.busy_us += duration_us;
         self.last_duration = duration_us;
-        Some(PlannedStep { shape, duration_us })
+        PlannedStep { shape, duration_us }
     }
 
     /// Ids of the requests that produce a decode token in the step in progress.
@@ -698,6 +932,9 @@ impl Engine {
             let (s, chunk) = self.chunks[i];
             if let Some(r) = self.slots[s].as_mut() {
                 r.prefill_left -= chunk;
+                if self.cfg.vllm() && r.prefill_left > 0 {
+                    self.store_computed(s);
+                }
             }
         }
         // Chunks go to the queue's front first, so completed prefills are a prefix of it.
@@ -870,6 +1107,46 @@ impl Engine {
         r.held = chain;
     }
 
+    /// Under [`Scheduler::Vllm`], a partial prefill's blocks enter the cache as they are
+    /// computed (vLLM caches every full block of a request when it is scheduled): they are
+    /// shared at once, and a preempted request finds them again unless they were evicted.
+    /// The request pins them; `hits` counts its pinned leading blocks from then on.
+    fn store_computed(&mut self, s: usize) {
+        let bs = self.cfg.block_size.get();
+        let Some(r) = self.slots[s].as_mut() else {
+            return;
+        };
+        let full = ((r.input - r.prefill_left) / bs).min(r.blocks.len());
+        if full <= r.hits {
+            return;
+        }
+        let moved = full - r.hits;
+        if self.cfg.kv_blocks.is_some() {
+            self.private -= moved;
+            r.alloc -= moved;
+            resize(&mut self.cache, self.cfg.kv_blocks, self.private);
+        }
+        let mut chain = Vec::with_capacity(full);
+        if self
+            .cache
+            .insert_into(&r.blocks[..full], &mut chain)
+            .is_ok()
+        {
+            self.cache.pin_slots(&chain[r.hits..]);
+            r.hits = full;
+            r.held = chain;
+        } else {
+            // A chain the cache contradicts (nothing was inserted): the blocks stay private
+            // until the prompt is stored whole, as under kvsim's own rules.
+            self.inconsistent_inserts += 1;
+            if self.cfg.kv_blocks.is_some() {
+                self.private += moved;
+                r.alloc += moved;
+                resize(&mut self.cache, self.cfg.kv_blocks, self.private);
+            }
+        }
+    }
+
     /// Releases the request's pins: its stored prompt's chain, found through its slots.
     fn unpin_request(cache: &mut BlockCache, r: &Running) {
         cache.unpin_slots(&r.blocks, &r.held);
@@ -921,7 +1198,7 @@ impl Engine {
         r.decode_start = self.steps;
         r.finish_at = self.steps + (r.output as u64 - 1);
         self.finishing.push(Reverse((r.finish_at, r.id, s)));
-        if self.cfg.kv_allocation == KvAllocation::Incremental && self.cfg.kv_blocks.is_some() {
+        if self.cfg.incremental() && self.cfg.kv_blocks.is_some() {
             let held = r.blocks.len() + r.alloc;
             let at = (held * self.cfg.block_size.get()) as u64 + self.steps - r.input as u64;
             Self::schedule_grow(&mut self.grow, r, s, at);
@@ -968,13 +1245,9 @@ impl Engine {
                     }
                     break;
                 }
-                let newest = self
-                    .slots
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(i, r)| r.as_ref().filter(|r| r.scheduled).map(|r| (r.seq, i)))
-                    .max();
-                let Some((_, v)) = newest else { break };
+                let Some(v) = self.newest_scheduled() else {
+                    break;
+                };
                 self.preempt(v);
                 if v == s {
                     break;
@@ -1121,6 +1394,7 @@ mod tests {
                 },
                 Outcome::FirstToken { id: 1 },
                 Outcome::FirstToken { id: 2 },
+                Outcome::Preempted { id: 2 },
                 Outcome::Finished { id: 1 },
                 Outcome::Finished { id: 2 },
             ]
@@ -1134,6 +1408,224 @@ mod tests {
         assert_eq!((steps, e.preemptions()), (18, 0));
     }
 
+    /// An engine under vLLM V1's rules: 1 ms per step plus 1 µs per prefill token and per
+    /// decoding request, so that step shapes can be read off durations.
+    fn vllm_engine(bs: usize, kv: Option<usize>, budget: usize, seqs: usize) -> Engine {
+        let mut c = EngineConfig::new(BlockSize::new(bs).unwrap());
+        c.kv_blocks = kv;
+        c.max_batched_tokens = budget;
+        c.max_num_seqs = seqs;
+        c.scheduler = Scheduler::Vllm;
+        Engine::new(c, LinearTiming::new(1_000.0, 1.0, 1.0, 0.0))
+    }
+
+    /// A request of `input` distinct tokens (starting at `from`) and `output` output tokens.
+    fn request(e: &Engine, id: u64, from: u32, input: usize, output: usize) -> EngineRequest {
+        let tokens: Vec<u32> = (from..from + input as u32).collect();
+        let blocks = kvblock::BlockHasher::new(e.config().block_size).sequence_hashes(&tokens);
+        EngineRequest::new(id, blocks, input, output)
+    }
+
+    /// Plans one step (admission is part of it): its (prefill tokens, decoding requests).
+    fn step(e: &mut Engine) -> Option<(u64, u64)> {
+        e.admit();
+        let p = e.plan_step()?;
+        e.finish_step();
+        e.check_invariants().unwrap();
+        Some((p.shape.prefill_tokens, p.shape.decode_requests))
+    }
+
+    /// Running requests go before waiting ones, and a partial prefill continues with what the
+    /// budget leaves. Budget 64: A (100 tokens) takes 64, then 36 and B (50 tokens, arrived
+    /// meanwhile) is admitted with the 28 left; B finishes its prompt with 22 while A decodes
+    /// (each decode one token of the budget). With 8,192 both prompts fit in the first step
+    /// after B arrives.
+    #[test]
+    fn vllm_running_first_then_waiting_with_what_is_left() {
+        let mut e = vllm_engine(16, None, 64, 32);
+        assert!(e.submit(request(&e, 1, 0, 100, 3)));
+        assert_eq!(step(&mut e), Some((64, 0)));
+        assert!(e.submit(request(&e, 2, 1_000, 50, 3)));
+        assert_eq!(step(&mut e), Some((36 + 28, 0)));
+        let mut out = Vec::new();
+        e.take_outcomes(&mut out);
+        assert_eq!(
+            out,
+            [
+                Outcome::Admitted {
+                    id: 1,
+                    cached_blocks: 0
+                },
+                Outcome::Admitted {
+                    id: 2,
+                    cached_blocks: 0
+                },
+                Outcome::FirstToken { id: 1 },
+            ]
+        );
+        assert_eq!(step(&mut e), Some((22, 1)));
+        assert_eq!(step(&mut e), Some((0, 2)));
+
+        let mut e = vllm_engine(16, None, 8_192, 32);
+        assert!(e.submit(request(&e, 1, 0, 100, 3)));
+        assert_eq!(step(&mut e), Some((100, 0)));
+        assert!(e.submit(request(&e, 2, 1_000, 50, 3)));
+        assert_eq!(step(&mut e), Some((50, 1)));
+    }
+
+    /// Waiting requests are admitted in order while the budget allows: with a budget of 64 and
+    /// three prompts of 40, the first takes 40 and the second 24 in step 1; the third waits
+    /// for a step with budget left (kvsim's own rules admit all three at once).
+    #[test]
+    fn vllm_admission_stops_when_the_budget_is_spent() {
+        for (scheduler, running_after_one) in [(Scheduler::Vllm, 2), (Scheduler::Kvsim, 3)] {
+            let mut e = vllm_engine(16, None, 64, 32);
+            e.cfg.scheduler = scheduler;
+            for id in 0..3 {
+                assert!(e.submit(request(&e, id, 1_000 * id as u32, 40, 5)));
+            }
+            assert_eq!(step(&mut e), Some((64, 0)));
+            assert_eq!(e.running(), running_after_one, "{scheduler}");
+        }
+    }
+
+    /// max_num_seqs and free blocks bound admission, first come first served: with 2
+    /// sequences the third request waits for a finish; with 10 blocks of 16, after A (100
+    /// tokens: 7 blocks) the head B (60 tokens: 4 blocks) does not fit and C (10 tokens, 1
+    /// block), behind it, waits too.
+    #[test]
+    fn vllm_admission_is_bounded_by_sequences_and_blocks_in_order() {
+        for budget in [64, 8_192] {
+            let mut e = vllm_engine(16, None, budget, 2);
+            for id in 0..3 {
+                assert!(e.submit(request(&e, id, 1_000 * id as u32, 10, 4)));
+            }
+            step(&mut e);
+            assert_eq!((e.running(), e.waiting()), (2, 1), "budget {budget}");
+
+            let mut e = vllm_engine(16, Some(10), budget, 8);
+            assert!(e.submit(request(&e, 1, 0, 100, 2)));
+            let mut out = Vec::new();
+            while !out.contains(&Outcome::FirstToken { id: 1 }) {
+                step(&mut e).unwrap();
+                e.take_outcomes(&mut out);
+            }
+            // A holds 7 blocks; B needs 4 of the 3 left, and C waits behind it.
+            assert!(e.submit(request(&e, 2, 1_000, 60, 2)));
+            assert!(e.submit(request(&e, 3, 2_000, 10, 2)));
+            assert_eq!(step(&mut e), Some((0, 1)));
+            assert_eq!(e.waiting(), 2, "budget {budget}");
+            let (out, _) = drain(&mut e, 1_000);
+            let firsts: Vec<u64> = out
+                .iter()
+                .filter_map(|o| match o {
+                    Outcome::Admitted { id, .. } => Some(*id),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(firsts, [2, 3], "budget {budget}: in order");
+        }
+    }
+
+    /// A cached prefix counts in whole blocks, at most the prompt less one token: with blocks
+    /// of 16 a 32-token prompt whose two blocks are cached reuses one block and computes 16
+    /// tokens; a 33-token prompt reuses both and computes 1. kvsim's own rule computes only
+    /// the last token of a full hit.
+    #[test]
+    fn vllm_reuses_a_cached_prefix_up_to_the_prompt_less_one_token() {
+        for budget in [64, 8_192] {
+            for (input, scheduler, cached_blocks, computed) in [
+                (32, Scheduler::Vllm, 1, 16),
+                (33, Scheduler::Vllm, 2, 1),
+                (32, Scheduler::Kvsim, 2, 1),
+            ] {
+                let mut e = vllm_engine(16, Some(100), budget, 8);
+                e.cfg.scheduler = scheduler;
+                assert!(e.submit(request(&e, 1, 0, 32, 1)));
+                drain(&mut e, 100);
+                assert_eq!(e.cache().len(), 2);
+                assert!(e.submit(request(&e, 2, 0, input, 1)));
+                assert_eq!(step(&mut e), Some((computed, 0)), "{scheduler} {input}");
+                let mut out = Vec::new();
+                e.take_outcomes(&mut out);
+                assert_eq!(
+                    out[0],
+                    Outcome::Admitted {
+                        id: 2,
+                        cached_blocks
+                    },
+                    "{scheduler}"
+                );
+            }
+        }
+    }
+
+    /// Under KV pressure the newest running request is preempted and later recomputed. Blocks
+    /// of 4, 5 blocks: A and B (one 4-token block, 9 output tokens) both run; at context 9
+    /// each needs a third block, A gets the last one and B, the newest, is preempted with 5
+    /// tokens produced; it resumes when A finishes, recomputing its 4 + 5 tokens less its
+    /// cached prompt block (5 tokens), and no request is admitted in the step that preempted.
+    #[test]
+    fn vllm_preempts_the_newest_and_recomputes_it() {
+        for budget in [64, 8_192] {
+            let mut e = vllm_engine(4, Some(5), budget, 8);
+            assert!(e.submit(request(&e, 1, 0, 4, 9)) && e.submit(request(&e, 2, 100, 4, 9)));
+            let (out, steps) = drain(&mut e, 100);
+            assert_eq!(
+                out,
+                [
+                    Outcome::Admitted {
+                        id: 1,
+                        cached_blocks: 0
+                    },
+                    Outcome::Admitted {
+                        id: 2,
+                        cached_blocks: 0
+                    },
+                    Outcome::FirstToken { id: 1 },
+                    Outcome::FirstToken { id: 2 },
+                    Outcome::Preempted { id: 2 },
+                    Outcome::Finished { id: 1 },
+                    Outcome::Finished { id: 2 },
+                ],
+                "budget {budget}"
+            );
+            assert_eq!((steps, e.preemptions(), e.recomputed_tokens()), (13, 1, 5));
+            assert_eq!((e.reserved_blocks(), e.cache().pinned_blocks()), (0, 0));
+        }
+    }
+
+    /// Chunks allocate their blocks as they are scheduled, and computed blocks enter the cache
+    /// at once (pinned by their request). Blocks of 4, 6 blocks, budget 8: A (20 tokens)
+    /// computes 8 tokens (2 blocks cached), then 8 more (4) while B waits for budget; A's last
+    /// 4 tokens (its 5th block) leave 4 for B's first chunk (the 6th). When A starts decoding
+    /// and needs a 6th block of its own, none is free: B, the newest, is preempted (its block
+    /// stays cached, evictable, and is evicted for A's), and resumes when A has finished.
+    #[test]
+    fn vllm_chunks_allocate_as_they_go_and_preempt_the_newest() {
+        let mut e = vllm_engine(4, Some(6), 8, 4);
+        assert!(e.submit(request(&e, 1, 0, 20, 2)));
+        assert_eq!(step(&mut e), Some((8, 0)));
+        assert_eq!((e.reserved_blocks(), e.cache().len()), (0, 2));
+        assert!(e.submit(request(&e, 2, 100, 8, 8)));
+        assert_eq!(step(&mut e), Some((8, 0)));
+        assert_eq!(
+            (e.running(), e.cache().len(), e.cache().pinned_blocks()),
+            (1, 4, 4)
+        );
+        assert_eq!(step(&mut e), Some((4 + 4, 0)));
+        assert_eq!(e.running(), 2);
+        assert_eq!(step(&mut e), Some((0, 1)));
+        assert_eq!((e.preemptions(), e.waiting()), (1, 1));
+        let (out, _) = drain(&mut e, 100);
+        assert!(out.contains(&Outcome::Preempted { id: 2 }), "{out:?}");
+        assert!(
+            out.contains(&Outcome::Finished { id: 1 })
+                && out.contains(&Outcome::Finished { id: 2 })
+        );
+        assert_eq!((e.reserved_blocks(), e.cache().pinned_blocks()), (0, 0));
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(200))]
         /// Incremental allocation on tiny caches: whatever arrives, the engine never deadlocks
@@ -1142,12 +1634,13 @@ mod tests {
         #[test]
         fn incremental_allocation_never_deadlocks(
             kv in 2usize..24, bs in prop::sample::select(vec![1usize, 2, 4, 16]),
-            seqs in 1usize..6, budget in 8usize..64,
+            seqs in 1usize..6, budget in 8usize..64, vllm in any::<bool>(),
             reqs in prop::collection::vec((0u32..4, 1usize..40, 1usize..40, 0u64..6), 1..24),
         ) {
             let mut c = EngineConfig::new(BlockSize::new(bs).unwrap());
             c.kv_blocks = Some(kv);
             c.kv_allocation = KvAllocation::Incremental;
+            c.scheduler = if vllm { Scheduler::Vllm } else { Scheduler::Kvsim };
             c.max_num_seqs = seqs;
             c.max_batched_tokens = budget.max(seqs + 1);
             let mut e = Engine::new(c, LinearTiming::new(1_000.0, 1.0, 1.0, 0.0));

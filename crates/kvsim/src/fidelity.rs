@@ -108,8 +108,16 @@ impl PhaseFigures {
             requests: ok.len(),
             ttft_mean: mean(&ttft),
             ttft_p90: p90(&mut ttft),
-            itl_mean: if gaps == 0 { 0.0 } else { ms(span) / gaps as f64 },
-            itl_p90: if itl.is_empty() { 0.0 } else { p90(&mut itl) / 1e3 },
+            itl_mean: if gaps == 0 {
+                0.0
+            } else {
+                ms(span) / gaps as f64
+            },
+            itl_p90: if itl.is_empty() {
+                0.0
+            } else {
+                p90(&mut itl) / 1e3
+            },
             e2e_mean: mean(&e2e),
             e2e_p90: p90(&mut e2e),
         }
@@ -221,7 +229,12 @@ fn replay_setup(
     if ok.is_empty() {
         return Err(Error::Fit("no completed request to replay".into()));
     }
-    let trace = Trace::from_measured("measured requests", &ok, shared_prefix_tokens, cfg.block_size);
+    let trace = Trace::from_measured(
+        "measured requests",
+        &ok,
+        shared_prefix_tokens,
+        cfg.block_size,
+    );
     let mut cfg = cfg.clone().with_trace(trace);
     cfg.trace_timing = TraceTiming::Keep;
     cfg.trace_speedup = 1.0;
@@ -249,7 +262,10 @@ fn compare(
         .iter()
         .enumerate()
         .map(|(i, p)| {
-            let (a, b) = (at[p.start.min(measured.len())], at[p.end.min(measured.len())]);
+            let (a, b) = (
+                at[p.start.min(measured.len())],
+                at[p.end.min(measured.len())],
+            );
             PhaseComparison {
                 phase: i,
                 fitted: fitted.contains(&i),
@@ -332,6 +348,7 @@ impl SpanFitOptions {
 /// cfg.num_requests = 40;
 /// cfg.output_len = 50;
 /// cfg.instances = 1;
+/// cfg.num_prefixes = 1; // every prompt starts with the same 2,048 tokens
 /// let truth = LinearTiming::new(9_000.0, 40.0, 60.0, 0.2);
 /// cfg.timing = truth;
 /// let (_, reqs) = Simulation::new(cfg.clone())?.run_requests()?;
@@ -366,9 +383,7 @@ pub fn fit_spans(
     let (ok, base) = replay_setup(cfg, measured, opts.shared_prefix_tokens)?;
     // Validated once here; each evaluation only changes the coefficients.
     Simulation::new(base.clone())?;
-    let timing_of = |x: &[f64]| {
-        LinearTiming::new(x[0].exp(), x[1].exp(), x[2].exp(), x[3].exp())
-    };
+    let timing_of = |x: &[f64]| LinearTiming::new(x[0].exp(), x[1].exp(), x[2].exp(), x[3].exp());
     let mut evaluations = 0;
     let mut objective = |x: &[f64]| -> f64 {
         evaluations += 1;

@@ -196,6 +196,7 @@ impl Fleet {
             c.host_kv_blocks = cfg.host_kv_blocks;
             c.host_load_ns_per_block = cfg.host_load_ns_per_block();
             c.kv_allocation = cfg.kv_allocation;
+            c.scheduler = cfg.scheduler;
             Engine::with_shared_timing(c, Arc::clone(timing))
         };
         let (engines, routers, decode_routers): (Vec<Engine>, _, _) =

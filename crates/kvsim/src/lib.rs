@@ -67,7 +67,9 @@ mod workload;
 
 pub use calibrate::{fit_linear, load_steps, parse_steps, LinearFit, StepSample, STEPS_HEADER};
 pub use config::{ArrivalModel, DpRouting, PdLink, Popularity, SimConfig, TraceTiming};
-pub use engine::{Engine, EngineConfig, EngineRequest, KvAllocation, Outcome, PlannedStep, Pool};
+pub use engine::{
+    Engine, EngineConfig, EngineRequest, KvAllocation, Outcome, PlannedStep, Pool, Scheduler,
+};
 pub use error::{Error, TraceError};
 pub use fidelity::{
     compare_phases, fit_spans, phases_by_count, phases_by_window, FidelityError, PhaseComparison,
@@ -84,7 +86,7 @@ pub use requests::{
 pub use sim::Simulation;
 pub use slo::{Slo, SloReport};
 pub use spans::{load_measured, parse_measured, record_line, LLM_REQUEST_SPAN};
-pub use vllm_log::VllmLog;
 pub use stats::Summary;
 pub use timing::{LinearTiming, PolynomialTiming, StepShape, TimingKind, TimingModel};
 pub use trace::{Lengths, Trace, TraceRequest, TraceStats, MAX_TOKENS};
+pub use vllm_log::VllmLog;

@@ -421,7 +421,8 @@ impl Report {
             }
         });
         let mut itl = c.itl;
-        let incremental = cfg.kv_allocation == KvAllocation::Incremental;
+        let incremental = cfg.kv_allocation == KvAllocation::Incremental
+            || cfg.scheduler == crate::engine::Scheduler::Vllm;
         let turns = cfg.sessions.is_some() || cfg.trace.as_ref().is_some_and(|t| t.has_sessions());
         let slo = cfg
             .slo

@@ -196,8 +196,7 @@ impl MeasuredRequest {
     /// between them; `None` for a failed request or fewer than two output tokens.
     pub fn mean_itl_us(&self) -> Option<f64> {
         (!self.failed && self.output_len > 1).then(|| {
-            self.finish_us.saturating_sub(self.first_token_us) as f64
-                / (self.output_len - 1) as f64
+            self.finish_us.saturating_sub(self.first_token_us) as f64 / (self.output_len - 1) as f64
         })
     }
 

@@ -101,7 +101,14 @@ impl Simulation {
                 let mut m = if r.rejected {
                     MeasuredRequest::failed(r.arrival, r.input)
                 } else {
-                    MeasuredRequest::new(r.arrival, r.input, r.output, cached, r.first_token, r.finish)
+                    MeasuredRequest::new(
+                        r.arrival,
+                        r.input,
+                        r.output,
+                        cached,
+                        r.first_token,
+                        r.finish,
+                    )
                 };
                 m.instance = (!r.rejected).then_some(r.engine);
                 m.preemptions = Some(r.preemptions);
@@ -1436,13 +1443,19 @@ mod tests {
         assert_ne!(plan[0].spec.blocks[6], plan[6].spec.blocks[6]);
     }
 
-    /// The proptests' workload shapes: KV allocation reserved or incremental; open loop, a
-    /// fixed concurrency, chat sessions, or both (`mode` 0 to 3).
+    /// The proptests' workload shapes: KV allocation reserved or incremental (and then, for
+    /// every other seed, vLLM's scheduling rules); open loop, a fixed concurrency, chat
+    /// sessions, or both (`mode` 0 to 3).
     fn with_loop_mode(cfg: &mut SimConfig, incremental: bool, mode: u8, seed: u64) {
         cfg.kv_allocation = if incremental {
             KvAllocation::Incremental
         } else {
             KvAllocation::Reserve
+        };
+        cfg.scheduler = if incremental && seed % 2 == 0 {
+            crate::engine::Scheduler::Vllm
+        } else {
+            crate::engine::Scheduler::Kvsim
         };
         cfg.concurrency = (mode % 2 == 1).then_some(3);
         cfg.sessions = (mode >= 2).then_some(15);

@@ -26,7 +26,8 @@ fn bad(file: &str, line: usize, what: impl Into<String>) -> Error {
 /// Reads measured requests from a file; see [`parse_measured`].
 pub fn load_measured(path: &Path) -> Result<Vec<MeasuredRequest>, Error> {
     let name = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|e| bad(&name, 0, format!("cannot read: {e}")))?;
+    let text =
+        std::fs::read_to_string(path).map_err(|e| bad(&name, 0, format!("cannot read: {e}")))?;
     parse_measured(&name, &text)
 }
 

@@ -100,7 +100,11 @@ impl VllmLog {
         let mut explicit_block = None;
         for (i, line) in text.lines().enumerate() {
             let n = i + 1;
-            let num = |key: &str| number_after(line, key).transpose().map_err(|w| bad(name, n, w));
+            let num = |key: &str| {
+                number_after(line, key)
+                    .transpose()
+                    .map_err(|w| bad(name, n, w))
+            };
             if let Some(at) = line.find("vLLM API server version") {
                 // A new start: what an earlier one said no longer holds.
                 s = VllmLog {
@@ -158,7 +162,11 @@ impl VllmLog {
             ));
         }
         if s.block_size == Some(0) || s.num_gpu_blocks == Some(0) {
-            return Err(bad(name, 0, "a KV cache of 0 blocks: expected at least one"));
+            return Err(bad(
+                name,
+                0,
+                "a KV cache of 0 blocks: expected at least one",
+            ));
         }
         Ok(s)
     }
