@@ -95,7 +95,10 @@ fn spans(args: &CalibrateArgs, file: &Path) -> ExitCode {
         Err(e) => return usage_error(flagged(&e)),
     };
     if let Some(path) = &args.plot {
-        let title = format!("kvsim against {}", file.display());
+        // The run's folder and file name: enough to tell runs apart, no more of the path.
+        let shown: Vec<_> = file.iter().rev().take(2).collect();
+        let shown: Vec<_> = shown.iter().rev().map(|p| p.to_string_lossy()).collect();
+        let title = format!("kvsim against {}", shown.join("/"));
         if let Err(e) = plot::draw_fidelity(path, &title, &fit.phases) {
             return usage_error(format!("--plot {}: {e}", path.display()));
         }
