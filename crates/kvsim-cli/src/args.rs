@@ -279,7 +279,7 @@ pub(crate) struct RunArgs {
     #[arg(long, value_parser = parse_dp_routing, value_name = "WHAT", help_heading = "Fleet")]
     dp_routing: Option<kvsim::DpRouting>,
     /// Host-memory KV blocks per engine: device evictions are demoted there and loaded back
-    /// instead of recomputed (unset: no host tier).
+    /// instead of recomputed (unset or 0: no host tier).
     #[arg(long, value_name = "BLOCKS", help_heading = "Fleet")]
     host_kv_blocks: Option<usize>,
     /// Host-to-device bandwidth for loading host-tier blocks, gigabytes per second (each block

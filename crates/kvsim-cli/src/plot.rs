@@ -194,14 +194,21 @@ fn x_range(phases: &[kvsim::PhaseComparison]) -> std::ops::Range<f64> {
 /// The smallest positive and the largest value of a figure, measured or simulated.
 fn bounds(phases: &[kvsim::PhaseComparison], pick: Pick) -> (f64, f64) {
     let all = phases.iter().flat_map(|p| [pick(&p.real), pick(&p.sim)]);
-    let lo = all.clone().filter(|v| *v > 0.0).fold(f64::INFINITY, f64::min);
+    let lo = all
+        .clone()
+        .filter(|v| *v > 0.0)
+        .fold(f64::INFINITY, f64::min);
     let hi = all.fold(1e-9, f64::max);
     (if lo.is_finite() { lo } else { 1e-3 }, hi)
 }
 
 /// One panel: measured (black, circles) and kvsim (red, triangles) by phase.
 fn panel<'a, Y>(
-    mut chart: ChartContext<'a, SVGBackend<'a>, Cartesian2d<plotters::coord::types::RangedCoordf64, Y>>,
+    mut chart: ChartContext<
+        'a,
+        SVGBackend<'a>,
+        Cartesian2d<plotters::coord::types::RangedCoordf64, Y>,
+    >,
     phases: &[kvsim::PhaseComparison],
     name: &str,
     pick: Pick,

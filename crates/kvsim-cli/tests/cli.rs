@@ -635,3 +635,27 @@ fn requests_out_replays_and_calibrates_with_spans() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn a_host_tier_of_zero_blocks_is_no_host_tier() {
+    for format in ["text", "json"] {
+        let base = [
+            "--des-kv-blocks",
+            "400",
+            "--des-num-requests",
+            "60",
+            "--format",
+            format,
+        ];
+        let (code, without, err) = kvsim(&base);
+        assert_eq!(code, 0, "{err}");
+        let mut zero = base.to_vec();
+        zero.extend(["--host-kv-blocks", "0"]);
+        let (code, with_zero, err) = kvsim(&zero);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(with_zero, without, "{format}");
+        let mut some = base.to_vec();
+        some.extend(["--host-kv-blocks", "100"]);
+        assert_ne!(kvsim(&some).1, without, "{format}: a real tier shows");
+    }
+}

@@ -304,8 +304,8 @@ pub struct SimConfig {
     /// events confirm them, microseconds; 0 is off (`--predicted-ttl-ms` × 1000).
     pub predicted_ttl_us: u64,
     /// Blocks of each engine's host tier, which the device's evictions are demoted to and
-    /// requests load back from instead of recomputing (`--host-kv-blocks`; `None`: no host
-    /// tier).
+    /// requests load back from instead of recomputing (`--host-kv-blocks`; `None` or
+    /// `Some(0)`: no host tier).
     pub host_kv_blocks: Option<usize>,
     /// Host-to-device bandwidth for loading host-tier blocks, gigabytes per second
     /// (`--host-load-gbps`); with `kv_bytes_per_token` it gives each block's load time.

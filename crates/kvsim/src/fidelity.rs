@@ -501,8 +501,8 @@ fn nelder_mead(
                 // Shrink towards the best point.
                 let best = simplex[0].0.clone();
                 for p in simplex.iter_mut().skip(1) {
-                    for j in 0..n {
-                        p.0[j] = best[j] + 0.5 * (p.0[j] - best[j]);
+                    for (x, b) in p.0.iter_mut().zip(&best) {
+                        *x = b + 0.5 * (*x - b);
                     }
                     p.1 = f(&p.0);
                     evals += 1;

@@ -193,7 +193,7 @@ impl Fleet {
             c.kv_blocks = cfg.kv_blocks;
             c.max_batched_tokens = cfg.max_batched_tokens;
             c.max_num_seqs = cfg.max_num_seqs;
-            c.host_kv_blocks = cfg.host_kv_blocks;
+            c.host_kv_blocks = cfg.host_kv_blocks.filter(|&h| h > 0);
             c.host_load_ns_per_block = cfg.host_load_ns_per_block();
             c.kv_allocation = cfg.kv_allocation;
             c.scheduler = cfg.scheduler;

@@ -409,7 +409,7 @@ impl Report {
         };
         let cached: usize = done.iter().map(|r| r.hits).sum();
         let outputs: usize = done.iter().map(|r| r.output).sum();
-        let tiers = cfg.host_kv_blocks.map(|h| {
+        let tiers = cfg.host_kv_blocks.filter(|&h| h > 0).map(|h| {
             let host: usize = done.iter().map(|r| r.host_hits).sum();
             let prompt: usize = done.iter().map(|r| r.prompt_blocks).sum();
             TierReport {

@@ -275,7 +275,12 @@ fn fit_settings_out_of_range_are_errors() {
     ));
     let failed = [MeasuredRequest::failed(0, 10)];
     assert!(matches!(
-        kvsim::fit_spans(&cfg, &failed, &[0..1], &SpanFitOptions::default()),
+        kvsim::fit_spans(
+            &cfg,
+            &failed,
+            &kvsim::phases_by_count(1, 1),
+            &SpanFitOptions::default()
+        ),
         Err(Error::Fit(_))
     ));
 }
