@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# KV events per second a router applies: a stand-in engine (the kvserver example event_flood)
-# publishes BATCHES batches of 16 new blocks each as fast as it can, and kvserver applies them
-# either straight from the engine's ZMQ socket or through `kvserver relay` -> JetStream.
+# KV events per second a router applies: a stand-in engine (the kvrouter example event_flood)
+# publishes BATCHES batches of 16 new blocks each as fast as it can, and kvrouter applies them
+# either straight from the engine's ZMQ socket or through `kvrouter relay` -> JetStream.
 # Prints, per path, the batches applied, the time from the first publish to the last apply,
 # and batches and blocks per second. Needs nats-server on PATH.
 # Usage: bash benches/live/events.sh [BATCHES]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 batches="${1:-20000}"
-cargo build --release -q -p kvserver --bin kvserver --example event_flood
+cargo build --release -q -p kvrouter --bin kvrouter --example event_flood
 . benches/live/common.sh
-applied() { curl -s "localhost:18100/metrics" | awk '$1 == "kvserver_kv_batches_applied_total" { print $2 }'; }
+applied() { curl -s "localhost:18100/metrics" | awk '$1 == "kvrouter_kv_batches_applied_total" { print $2 }'; }
 
 measure() {
     local label="$1"
@@ -36,19 +36,19 @@ print(f'| {\"$label\"} | {n:,} of {$batches:,} | {t:.2f} s | {n / t:,.0f} | {16 
 echo "| path | batches applied | time | batches/s | blocks/s |"
 echo "|---|---:|---:|---:|---:|"
 
-"$bin/kvserver" --host 127.0.0.1 --port 18100 \
+"$bin/kvrouter" --host 127.0.0.1 --port 18100 \
     --worker http://127.0.0.1:31999,events=tcp://127.0.0.1:15100 >/dev/null 2>&1 & pids+=($!); disown
 wait_http 18100
 sleep 0.5
-measure "engine ZMQ -> kvserver"
+measure "engine ZMQ -> kvrouter"
 cleanup
 
 nats-server -js -a 127.0.0.1 -p 14223 -sd "$work/js" >/dev/null 2>&1 & pids+=($!); disown
 sleep 0.5
-"$bin/kvserver" --host 127.0.0.1 --port 18100 --kv-event-transport nats --nats-url nats://127.0.0.1:14223 \
+"$bin/kvrouter" --host 127.0.0.1 --port 18100 --kv-event-transport nats --nats-url nats://127.0.0.1:14223 \
     --worker http://127.0.0.1:31999 >/dev/null 2>&1 & pids+=($!); disown
 wait_http 18100
-"$bin/kvserver" relay --nats-url nats://127.0.0.1:14223 \
+"$bin/kvrouter" relay --nats-url nats://127.0.0.1:14223 \
     --worker http://127.0.0.1:31999,events=tcp://127.0.0.1:15100 >/dev/null 2>&1 & pids+=($!); disown
 sleep 0.5
-measure "engine ZMQ -> relay -> JetStream -> kvserver"
+measure "engine ZMQ -> relay -> JetStream -> kvrouter"

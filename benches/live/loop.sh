@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Live against simulated, the default synthetic pool (500 requests, --speedup 10, or SPEEDUP):
 #   1. kvload -> one kvmock, against kvsim --des-instances 1;
-#   2. kvload -> kvserver -> 4 kvmock, against kvsim --des-instances 4.
+#   2. kvload -> kvrouter -> 4 kvmock, against kvsim --des-instances 4.
 # Prints request hit rate, block reuse and TTFT/ITL/E2E p50 for each, and the TTFT ratio.
 # With TRACE=FILE (a Mooncake trace, block 512), only the second, on the trace's first REQUESTS.
 # Usage: [SPEEDUP=X] [TRACE=FILE] bash benches/live/loop.sh [REQUESTS]
@@ -17,7 +17,7 @@ if [ -n "$trace" ]; then
     work_flags+=(--trace "$trace")
     bs=512
 fi
-cargo build --release -q -p kvmock -p kvserver -p kvsim-cli
+cargo build --release -q -p kvmock -p kvrouter -p kvsim-cli
 . benches/live/common.sh
 row() {
     python3 - "$1" "$2" <<'PY'
@@ -55,11 +55,11 @@ for i in 0 1 2 3; do
     engine "$i"
     workers+=(--worker "http://127.0.0.1:$((31300 + i)),events=tcp://127.0.0.1:$((15300 + 2 * i)),replay=tcp://127.0.0.1:$((15301 + 2 * i))")
 done
-"$bin/kvserver" --host 127.0.0.1 --port 18300 --block-size "$bs" "${workers[@]}" >/dev/null 2>&1 & pids+=($!); disown
+"$bin/kvrouter" --host 127.0.0.1 --port 18300 --block-size "$bs" "${workers[@]}" >/dev/null 2>&1 & pids+=($!); disown
 wait_http 18300
 sleep 0.5
 load http://127.0.0.1:18300 >"$work/live4.json"
-row "$work/live4.json" "kvload -> kvserver -> 4 x kvmock"
+row "$work/live4.json" "kvload -> kvrouter -> 4 x kvmock"
 per=()
 for i in 0 1 2 3; do
     per+=("$(curl -s "localhost:$((31300 + i))/metrics" | awk '$1 ~ /^vllm:request_success_total/ { print $2 }' | cut -d. -f1)")
@@ -71,5 +71,5 @@ d = sys.argv[1]
 import os
 t = lambda f: json.load(open(f"{d}/{f}.json"))["ttft_ms"]["p50"]
 one = f"one engine {t('live1') / t('sim1'):.3f}, " if os.path.exists(f"{d}/live1.json") else ""
-print(f"TTFT p50 live / simulated: {one}through kvserver {t('live4') / t('sim4'):.3f}")
+print(f"TTFT p50 live / simulated: {one}through kvrouter {t('live4') / t('sim4'):.3f}")
 PY

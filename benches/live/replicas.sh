@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Live router replicas over NATS: kvload -> R kvserver replicas (requests round-robin over
-# them) -> 4 kvmock engines whose KV events reach the replicas through `kvserver relay`
+# Live router replicas over NATS: kvload -> R kvrouter replicas (requests round-robin over
+# them) -> 4 kvmock engines whose KV events reach the replicas through `kvrouter relay`
 # sidecars and a real nats-server with JetStream. Prints, per setup, the hit rate, block reuse,
 # requests per engine and their balance (max / mean), with and without --router-replica-sync.
 # Needs nats-server on PATH. Usage: bash benches/live/replicas.sh [REQUESTS] [EXTRA KVLOAD FLAGS]
@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 n="${1:-500}"
 shift || true
-cargo build --release -q -p kvmock -p kvserver
+cargo build --release -q -p kvmock -p kvrouter
 . benches/live/common.sh
 metric() { curl -s "localhost:$1/metrics" | awk -v m="$2" '$1 == m || index($1, m "{") == 1 { print $2 }'; }
 
@@ -25,7 +25,7 @@ run() {
             --kv-events-config "{\"publisher\":\"zmq\",\"endpoint\":\"tcp://127.0.0.1:$ev\",\"replay_endpoint\":\"tcp://127.0.0.1:$rp\"}" \
             >/dev/null 2>&1 & pids+=($!); disown
         wait_http "$port"
-        "$bin/kvserver" relay --nats-url nats://127.0.0.1:14222 \
+        "$bin/kvrouter" relay --nats-url nats://127.0.0.1:14222 \
             --worker "http://127.0.0.1:$port,events=tcp://127.0.0.1:$ev,replay=tcp://127.0.0.1:$rp" \
             >/dev/null 2>&1 & pids+=($!); disown
         workers+=(--worker "http://127.0.0.1:$port")
@@ -34,7 +34,7 @@ run() {
     for r in $(seq "$replicas"); do
         local port=$((18000 + r)) flags=()
         [ "$sync" = yes ] && flags=(--router-replica-sync --replica-id "$r")
-        "$bin/kvserver" --host 127.0.0.1 --port "$port" --kv-event-transport nats \
+        "$bin/kvrouter" --host 127.0.0.1 --port "$port" --kv-event-transport nats \
             --nats-url nats://127.0.0.1:14222 "${workers[@]}" ${flags[@]+"${flags[@]}"} \
             >/dev/null 2>&1 & pids+=($!); disown
         wait_http "$port"

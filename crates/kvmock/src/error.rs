@@ -12,17 +12,9 @@ pub enum MockError {
         /// What is wrong and what is accepted.
         message: String,
     },
-    /// A tokenizer or its chat template could not be loaded.
-    #[error("tokenizer {path}: {message}")]
-    Tokenizer {
-        /// The file or directory given.
-        path: String,
-        /// What went wrong.
-        message: String,
-    },
-    /// A chat template failed to render.
-    #[error("chat template: {0}")]
-    Template(String),
+    /// A tokenizer or its chat template could not be loaded or rendered.
+    #[error(transparent)]
+    Serve(#[from] kvserve::Error),
     /// A socket or file operation failed.
     #[error("{0}")]
     Io(String),

@@ -13,8 +13,8 @@
 //!   `GET /health`, `GET /metrics` (vLLM's metric names).
 //! - [`events`]: vLLM's ZMQ KV-event wire (PUB `[topic, seq, msgpack EventBatch]`, map or
 //!   array shape, ROUTER replay), with engine-private block hashes.
-//! - [`tokenize`]: a Hugging Face `tokenizer.json` and the chat template of
-//!   `tokenizer_config.json` (minijinja), or one token per byte without a tokenizer.
+//! - the tokenizer, chat template, OpenAI bodies and etcd registration are the serving crate's
+//!   (`kvserve`), shared with the router server.
 //! - [`load`]: the `kvload` client (open loop at the trace's times, streaming, the simulator's
 //!   report).
 #![cfg_attr(
@@ -26,10 +26,8 @@ mod clock;
 pub mod core;
 pub mod driver;
 pub mod error;
-pub mod etcd;
 pub mod events;
 pub mod load;
 pub mod server;
-pub mod tokenize;
 
 pub use error::MockError;

@@ -14,13 +14,13 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use kvroute::openai::{self, Endpoint, Input, Request};
+use kvserve::openai::{self, Endpoint, Input, Request};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use crate::core::Lora;
 use crate::driver::{EngineHandle, Progress};
-use crate::tokenize::{self, ChatTemplate, Codec};
+use kvserve::tokenize::{self, ChatTemplate, Codec};
 
 /// What the HTTP layer needs to know about the engine and the model.
 #[derive(Debug)]
@@ -626,7 +626,7 @@ struct SseState {
     frames: ((String, String), (String, String)),
     progress: mpsc::UnboundedReceiver<Progress>,
     codec: Codec,
-    decoder: crate::tokenize::Decoder,
+    decoder: kvserve::tokenize::Decoder,
     seed: u64,
     prompt_hash: u64,
     prompt_len: usize,

@@ -22,7 +22,7 @@ const WORDS: &[&str] = &[
 #[test]
 fn completions_chat_models_health_and_metrics() {
     let dir = tempfile::tempdir().unwrap();
-    kvmock::tokenize::write_test_tokenizer(dir.path(), WORDS).unwrap();
+    kvserve::tokenize::write_test_tokenizer(dir.path(), WORDS).unwrap();
     let tok = dir.path().to_str().unwrap();
     let m = Mock::start(
         free_port(),

@@ -47,7 +47,6 @@
 //! | feature | default | what it adds | what it costs |
 //! |---|---|---|---|
 //! | `vllm` | off | the `kvroute::vllm` module: decodes vLLM's (and SGLang's) MessagePack KV-event batches and applies them to a [`Router`] (engine block hashes mapped to ours, sequence numbers checked) | the `rmpv` crate (MessagePack values) |
-//! | `openai` | off | the `kvroute::openai` module: reads the routing-relevant fields of an OpenAI completions or chat request body (prompt text or token ids, chat messages and their media parts, model, `stream`, `max_tokens`, `cache_salt`), with errors naming the field | the `serde_json` crate |
 //! | `serde` | off | `Serialize`/`Deserialize` for [`LoadDelta`] (and `kvblock/serde`, `kvcache/serde`) | the `serde` crate |
 //!
 //! Always needed: `kvcache` (and `kvblock`), `hashbrown`, `xxhash-rust` (the consistent-hash
@@ -63,8 +62,6 @@
 mod groups;
 mod inflight;
 mod model;
-#[cfg(feature = "openai")]
-pub mod openai;
 mod replicas;
 mod ring;
 mod router;

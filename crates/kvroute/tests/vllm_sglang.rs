@@ -26,7 +26,7 @@ fn router() -> Router {
     r
 }
 
-/// Hits on W0 of tokens 0..n, hashed with `cache_salt` as kvserver hashes a request.
+/// Hits on W0 of tokens 0..n, hashed with `cache_salt` as kvrouter hashes a request.
 fn hits(router: &mut Router, n: usize, cache_salt: Option<&str>) -> usize {
     let tokens: Vec<u32> = (0..n as u32).collect();
     let bs = BlockSize::new(BS).unwrap();

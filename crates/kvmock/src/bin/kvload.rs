@@ -11,7 +11,7 @@ use kvblock::BlockSize;
 use kvmock::load::{self, Api, LoadConfig};
 use kvsim::{ArrivalModel, Popularity, SimConfig, Trace, TraceTiming};
 
-/// Replay traffic against an OpenAI-compatible endpoint (kvmock, kvserver, or a real vLLM) and
+/// Replay traffic against an OpenAI-compatible endpoint (kvmock, kvrouter, or a real vLLM) and
 /// measure TTFT, ITL, E2E, throughput and the cached tokens the endpoint reports.
 ///
 /// The requests are those kvsim would simulate with the same flags: a Mooncake trace, or the

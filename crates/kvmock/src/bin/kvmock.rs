@@ -8,8 +8,8 @@ use kvblock::BlockSize;
 use kvmock::driver::EngineHandle;
 use kvmock::events::{KvEventsConfig, Publisher, WireShape};
 use kvmock::server::{app, ApiConfig};
-use kvmock::tokenize::{self, ChatTemplate, Codec};
 use kvmock::MockError;
+use kvserve::tokenize::{self, ChatTemplate, Codec};
 use kvsim::{EngineConfig, LinearTiming};
 
 /// An emulated vLLM engine without a GPU: an OpenAI-compatible server with prefix caching and
@@ -84,7 +84,7 @@ struct Cli {
     #[arg(long, value_name = "RANK")]
     data_parallel_rank: Option<u16>,
     /// Register this engine in etcd (HOST:PORT of its client URL) under kvkit/workers/, with a
-    /// lease that lapses when the engine stops, so kvserver --discovery-backend etcd finds it.
+    /// lease that lapses when the engine stops, so kvrouter --discovery-backend etcd finds it.
     #[arg(long, value_name = "HOST:PORT", help_heading = "Discovery")]
     etcd_endpoint: Option<String>,
     /// The host others reach this engine at, in its etcd record [default: --host, or 127.0.0.1
@@ -270,14 +270,14 @@ async fn register(
         None => (None, None),
     };
     let name = format!("{host}:{}", cli.port);
-    let record = kvmock::etcd::WorkerRecord {
+    let record = kvserve::etcd::WorkerRecord {
         url: format!("http://{name}"),
         events,
         replay,
         block_size: cli.block_size,
         model: Some(cli.served_model_name.clone()),
     };
-    kvmock::etcd::Etcd::new(etcd)
+    kvserve::etcd::Etcd::new(etcd)
         .register(&name, &record, 3)
         .await
         .map_err(|e| config_err("--etcd-endpoint", e))

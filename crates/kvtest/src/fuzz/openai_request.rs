@@ -1,5 +1,5 @@
-//! `openai_request`: request bodies from the network into `kvroute::openai::parse` (feature
-//! `openai`), the parser `kvserver` and `kvmock` read every completions and chat request with,
+//! `openai_request`: request bodies from the network into `kvserve::openai::parse` (feature
+//! `openai`), the parser `kvrouter` and `kvmock` read every completions and chat request with,
 //! as both endpoints. The first byte picks the mode: arbitrary bytes as the body, or (high bit
 //! set) a JSON object built from structured input, with the fields the parser reads (`prompt`,
 //! `messages`, `role`, `content`, `type`, `text`, `model`, `stream`, `cache_salt`, ...) holding
@@ -17,7 +17,7 @@
 //!   `to_json()` of it parses back to the same request.
 
 use arbitrary::Unstructured;
-use kvroute::openai::{parse, Endpoint, Input, Request, RequestError};
+use kvserve::openai::{parse, Endpoint, Input, Request, RequestError};
 use serde_json::{Map, Value};
 
 /// Longest error message accepted: a field path, what it accepts and a shortened value.

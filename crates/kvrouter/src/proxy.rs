@@ -12,9 +12,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures_util::StreamExt;
 use http_body_util::{BodyStream, Full};
-use kvmock::tokenize;
-use kvroute::openai::{self, Endpoint, Input, Request};
 use kvroute::{RequestId, Role};
+use kvserve::openai::{self, Endpoint, Input, Request};
+use kvserve::tokenize;
 use serde_json::{json, Value};
 
 use crate::state::{Server, Worker};
@@ -319,7 +319,7 @@ async fn forward(
             Err(e) if e.is_connect() => {
                 worker.upstream_errors.fetch_add(1, Ordering::Relaxed);
                 eprintln!(
-                    "kvserver: worker {} refused the connection: {e}",
+                    "kvrouter: worker {} refused the connection: {e}",
                     worker.spec.name
                 );
                 drop(guard);
@@ -496,11 +496,11 @@ mod log {
 
     use crate::state::Worker;
 
-    /// One line per decision when `KVSERVER_LOG=debug`.
+    /// One line per decision when `KVROUTER_LOG=debug`.
     pub(super) fn decision(w: &Worker, d: &Decision) {
-        if std::env::var_os("KVSERVER_LOG").is_some_and(|v| v == "debug") {
+        if std::env::var_os("KVROUTER_LOG").is_some_and(|v| v == "debug") {
             eprintln!(
-                "kvserver: routed to {} with {} of {} blocks cached, cost {}",
+                "kvrouter: routed to {} with {} of {} blocks cached, cost {}",
                 w.spec.name, d.cache_hits, d.request_blocks, d.cost
             );
         }

@@ -12,9 +12,9 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use kvblock::BlockSize;
-use kvmock::tokenize::{self, ChatTemplate, Codec};
 use kvroute::vllm::VllmIngest;
 use kvroute::{LoadDelta, Router, WorkerId};
+use kvserve::tokenize::{self, ChatTemplate, Codec};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::config::{Config, WorkerSpec};
@@ -363,7 +363,7 @@ impl Server {
             m.router.set_routable(w.id, !down);
             drop(m);
             eprintln!(
-                "kvserver: worker {} is {}",
+                "kvrouter: worker {} is {}",
                 w.spec.name,
                 if down { "down" } else { "up again" }
             );
@@ -393,17 +393,17 @@ impl Server {
             );
         };
         for (name, help, v) in [
-            ("kvserver_request_blocks_total", "Full prompt blocks of routed requests.", &c.request_blocks),
-            ("kvserver_cache_hit_blocks_total", "Prompt blocks the router predicted cached on the chosen worker.", &c.hit_blocks),
-            ("kvserver_kv_batches_applied_total", "KV-event batches applied.", &c.batches_applied),
-            ("kvserver_kv_batches_rejected_total", "KV-event batches rejected (malformed, invalid or replayed).", &c.batches_rejected),
-            ("kvserver_kv_gaps_total", "KV-event batches that followed missed ones.", &c.gaps),
-            ("kvserver_kv_restarts_total", "Publisher restarts seen after a missed batch 0 (the worker's mirror started afresh).", &c.restarts),
-            ("kvserver_kv_replays_total", "Replay requests sent to workers.", &c.replays),
-            ("kvserver_kv_replayed_batches_total", "Batches obtained by replay and applied.", &c.replayed_batches),
-            ("kvserver_load_deltas_applied_total", "Other replicas' load deltas applied (--router-replica-sync).", &c.deltas_applied),
-            ("kvserver_load_deltas_rejected_total", "Other replicas' load-delta messages that did not parse.", &c.deltas_rejected),
-            ("kvserver_snapshots_total", "Mirror snapshots stored (--kv-event-transport nats).", &c.snapshots),
+            ("kvrouter_request_blocks_total", "Full prompt blocks of routed requests.", &c.request_blocks),
+            ("kvrouter_cache_hit_blocks_total", "Prompt blocks the router predicted cached on the chosen worker.", &c.hit_blocks),
+            ("kvrouter_kv_batches_applied_total", "KV-event batches applied.", &c.batches_applied),
+            ("kvrouter_kv_batches_rejected_total", "KV-event batches rejected (malformed, invalid or replayed).", &c.batches_rejected),
+            ("kvrouter_kv_gaps_total", "KV-event batches that followed missed ones.", &c.gaps),
+            ("kvrouter_kv_restarts_total", "Publisher restarts seen after a missed batch 0 (the worker's mirror started afresh).", &c.restarts),
+            ("kvrouter_kv_replays_total", "Replay requests sent to workers.", &c.replays),
+            ("kvrouter_kv_replayed_batches_total", "Batches obtained by replay and applied.", &c.replayed_batches),
+            ("kvrouter_load_deltas_applied_total", "Other replicas' load deltas applied (--router-replica-sync).", &c.deltas_applied),
+            ("kvrouter_load_deltas_rejected_total", "Other replicas' load-delta messages that did not parse.", &c.deltas_rejected),
+            ("kvrouter_snapshots_total", "Mirror snapshots stored (--kv-event-transport nats).", &c.snapshots),
         ] {
             counter(name, help, get(v));
         }
@@ -422,54 +422,54 @@ impl Server {
         };
         let _ = writeln!(
             out,
-            "# HELP kvserver_catch_up_seconds How long the start took to catch up with the KV-event stream.\n# TYPE kvserver_catch_up_seconds gauge\nkvserver_catch_up_seconds {}",
+            "# HELP kvrouter_catch_up_seconds How long the start took to catch up with the KV-event stream.\n# TYPE kvrouter_catch_up_seconds gauge\nkvrouter_catch_up_seconds {}",
             get(&c.catch_up_ms) as f64 / 1e3
         );
         let _ = writeln!(
             out,
-            "# HELP kvserver_snapshot_restored 1 when the start restored a stored snapshot.\n# TYPE kvserver_snapshot_restored gauge\nkvserver_snapshot_restored {}",
+            "# HELP kvrouter_snapshot_restored 1 when the start restored a stored snapshot.\n# TYPE kvrouter_snapshot_restored gauge\nkvrouter_snapshot_restored {}",
             get(&c.restored)
         );
         let _ = writeln!(
             out,
-            "# HELP kvserver_stale_workers Workers whose mirror may have missed events.\n# TYPE kvserver_stale_workers gauge\nkvserver_stale_workers {stale}"
+            "# HELP kvrouter_stale_workers Workers whose mirror may have missed events.\n# TYPE kvrouter_stale_workers gauge\nkvrouter_stale_workers {stale}"
         );
-        let _ = writeln!(out, "# HELP kvserver_requests_routed_total Requests routed, by worker.\n# TYPE kvserver_requests_routed_total counter");
+        let _ = writeln!(out, "# HELP kvrouter_requests_routed_total Requests routed, by worker.\n# TYPE kvrouter_requests_routed_total counter");
         for w in &workers {
             let _ = writeln!(
                 out,
-                "kvserver_requests_routed_total{{worker=\"{}\"}} {}",
+                "kvrouter_requests_routed_total{{worker=\"{}\"}} {}",
                 w.spec.name,
                 get(&w.routed)
             );
         }
-        let _ = writeln!(out, "# HELP kvserver_upstream_errors_total Requests a worker refused, broke off or did not answer in time, by worker.\n# TYPE kvserver_upstream_errors_total counter");
+        let _ = writeln!(out, "# HELP kvrouter_upstream_errors_total Requests a worker refused, broke off or did not answer in time, by worker.\n# TYPE kvrouter_upstream_errors_total counter");
         for w in &workers {
             let _ = writeln!(
                 out,
-                "kvserver_upstream_errors_total{{worker=\"{}\"}} {}",
+                "kvrouter_upstream_errors_total{{worker=\"{}\"}} {}",
                 w.spec.name,
                 get(&w.upstream_errors)
             );
         }
-        let _ = writeln!(out, "# HELP kvserver_cache_view_blocks Blocks the router believes each worker holds.\n# TYPE kvserver_cache_view_blocks gauge");
+        let _ = writeln!(out, "# HELP kvrouter_cache_view_blocks Blocks the router believes each worker holds.\n# TYPE kvrouter_cache_view_blocks gauge");
         for (name, n) in views {
-            let _ = writeln!(out, "kvserver_cache_view_blocks{{worker=\"{name}\"}} {n}");
+            let _ = writeln!(out, "kvrouter_cache_view_blocks{{worker=\"{name}\"}} {n}");
         }
-        let _ = writeln!(out, "# HELP kvserver_route_seconds Route decision latency (tokenising excluded).\n# TYPE kvserver_route_seconds histogram");
+        let _ = writeln!(out, "# HELP kvrouter_route_seconds Route decision latency (tokenising excluded).\n# TYPE kvrouter_route_seconds histogram");
         let mut cumulative = 0;
         for (k, &b) in LATENCY_BUCKETS_US.iter().enumerate() {
             cumulative += get(&c.route_latency[k]);
             let _ = writeln!(
                 out,
-                "kvserver_route_seconds_bucket{{le=\"{}\"}} {cumulative}",
+                "kvrouter_route_seconds_bucket{{le=\"{}\"}} {cumulative}",
                 b as f64 / 1e6
             );
         }
         cumulative += get(&c.route_latency[LATENCY_BUCKETS_US.len()]);
         let _ = writeln!(
             out,
-            "kvserver_route_seconds_bucket{{le=\"+Inf\"}} {cumulative}\nkvserver_route_seconds_sum {}\nkvserver_route_seconds_count {cumulative}",
+            "kvrouter_route_seconds_bucket{{le=\"+Inf\"}} {cumulative}\nkvrouter_route_seconds_sum {}\nkvrouter_route_seconds_count {cumulative}",
             get(&c.route_latency_sum_us) as f64 / 1e6
         );
         out

@@ -1,4 +1,4 @@
-//! KV events through a real `nats-server` with JetStream: `kvserver relay` sidecars next to
+//! KV events through a real `nats-server` with JetStream: `kvrouter relay` sidecars next to
 //! `kvmock` engines, replicas that read the stream and share load, and restarts (a replica
 //! killed with SIGKILL under load, a relay, the NATS server itself) that lose nothing. Each
 //! test skips, saying why, when `nats-server` is not installed (`.ci/run` installs it).
@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{Engine, Kvserver, Proc};
+use common::{Engine, Kvrouter, Proc};
 use kvtest::net::{free_port, http};
 use serde_json::Value;
 
@@ -76,7 +76,7 @@ fn wait_port(port: u16, what: &str) {
 }
 
 fn relay(engine: &Engine, nats: &Nats) -> Proc {
-    let child = Command::new(env!("CARGO_BIN_EXE_kvserver"))
+    let child = Command::new(env!("CARGO_BIN_EXE_kvrouter"))
         .args([
             "relay",
             "--worker",
@@ -107,13 +107,13 @@ fn engine() -> Engine {
     )
 }
 
-fn replica(port: u16, engines: &[&Engine], nats: &Nats, extra: &[&str]) -> Kvserver {
+fn replica(port: u16, engines: &[&Engine], nats: &Nats, extra: &[&str]) -> Kvrouter {
     let workers: Vec<String> = engines.iter().map(|e| url(e)).collect();
     let mut args = vec!["--kv-event-transport", "nats", "--nats-url"];
     let u = nats.url();
     args.push(&u);
     args.extend_from_slice(extra);
-    Kvserver::start_at(port, &workers, &args)
+    Kvrouter::start_at(port, &workers, &args)
 }
 
 /// Prompt `i` of 6 families: 3 shared blocks, then 2 of its own.
@@ -131,13 +131,13 @@ fn body(i: usize) -> String {
     format!(r#"{{"prompt": [{}], "max_tokens": 3}}"#, tokens.join(","))
 }
 
-fn send(k: &Kvserver, i: usize) {
+fn send(k: &Kvrouter, i: usize) {
     let (status, text) = k.post("/v1/completions", &body(i));
     assert_eq!(status, 200, "{text}");
 }
 
 /// Each worker's (name, blocks in view, stale), sorted.
-fn views(k: &Kvserver) -> Vec<(String, u64, bool)> {
+fn views(k: &Kvrouter) -> Vec<(String, u64, bool)> {
     let v = k.get_json("/v1/admin/workers");
     let mut out: Vec<(String, u64, bool)> = v["workers"]
         .as_array()
@@ -155,7 +155,7 @@ fn views(k: &Kvserver) -> Vec<(String, u64, bool)> {
     out
 }
 
-fn positions(k: &Kvserver) -> Vec<Value> {
+fn positions(k: &Kvrouter) -> Vec<Value> {
     let v = k.get_json("/v1/admin/workers");
     let mut out: Vec<(String, Value)> = v["workers"]
         .as_array()
@@ -168,14 +168,14 @@ fn positions(k: &Kvserver) -> Vec<Value> {
 }
 
 /// Waits (at most 15 s) until every server shows the reference's views, none stale.
-fn wait_agree(reference: &Kvserver, others: &[&Kvserver]) {
+fn wait_agree(reference: &Kvrouter, others: &[&Kvrouter]) {
     if let Err(e) = agree_within(reference, others, Duration::from_secs(15)) {
         panic!("{e}");
     }
 }
 
 /// Whether every server shows the reference's views, none stale, within `limit`.
-fn agree_within(reference: &Kvserver, others: &[&Kvserver], limit: Duration) -> Result<(), String> {
+fn agree_within(reference: &Kvrouter, others: &[&Kvrouter], limit: Duration) -> Result<(), String> {
     let deadline = Instant::now() + limit;
     loop {
         let want = views(reference);
@@ -194,7 +194,7 @@ fn agree_within(reference: &Kvserver, others: &[&Kvserver], limit: Duration) -> 
 
 /// After a restart, sends requests (from `first` on) until a batch that shows the gap reaches
 /// the restarted part and the views agree: its ZMQ subscription takes a moment to join.
-fn send_until_agree(reference: &Kvserver, other: &Kvserver, first: usize) {
+fn send_until_agree(reference: &Kvrouter, other: &Kvrouter, first: usize) {
     for i in first..first + 20 {
         send(reference, i);
         if agree_within(reference, &[other], Duration::from_secs(2)).is_ok() {
@@ -204,7 +204,7 @@ fn send_until_agree(reference: &Kvserver, other: &Kvserver, first: usize) {
     wait_agree(reference, &[other]);
 }
 
-fn active_blocks(k: &Kvserver) -> u64 {
+fn active_blocks(k: &Kvrouter) -> u64 {
     let v = k.get_json("/v1/admin/workers");
     v["workers"]
         .as_array()
@@ -233,15 +233,15 @@ fn replicas_on_jetstream_mirror_the_engines_and_share_load() {
     let a = replica(free_port(), &[&e0, &e1], &nats, &[sync[0], sync[1], "1"]);
     let b = replica(free_port(), &[&e0, &e1], &nats, &[sync[0], sync[1], "2"]);
     // The reference reads the engines' ZMQ publishers directly, and shares no load.
-    let zmq = Kvserver::start(&[&e0, &e1], &[]);
+    let zmq = Kvrouter::start(&[&e0, &e1], &[]);
     for i in 0..24 {
         send(if i % 2 == 0 { &a } else { &b }, i);
     }
     wait_agree(&zmq, &[&a, &b]);
     assert!(views(&zmq).iter().any(|v| v.1 > 0));
     assert_eq!(positions(&a), positions(&b), "same stream positions");
-    assert_eq!(a.metric("kvserver_kv_gaps_total"), 0.0);
-    assert_eq!(b.metric("kvserver_kv_batches_rejected_total"), 0.0);
+    assert_eq!(a.metric("kvrouter_kv_gaps_total"), 0.0);
+    assert_eq!(b.metric("kvrouter_kv_batches_rejected_total"), 0.0);
 
     // A long request through a: b counts its blocks while it runs, the reference does not.
     let port = a.port;
@@ -252,7 +252,7 @@ fn replicas_on_jetstream_mirror_the_engines_and_share_load() {
     });
     wait_until("b sees a's request", || active_blocks(&b) == 4);
     assert_eq!(active_blocks(&zmq), 0);
-    assert!(b.metric("kvserver_load_deltas_applied_total") >= 1.0);
+    assert!(b.metric("kvrouter_load_deltas_applied_total") >= 1.0);
     let (status, _) = long.join().unwrap();
     assert_eq!(status, 200);
     wait_until("b sees it finish", || active_blocks(&b) == 0);
@@ -282,13 +282,13 @@ fn a_replica_killed_under_load_catches_up_exactly() {
     };
     // Long enough for b to store a snapshot (checked once a second).
     wait_until("b stores a snapshot", || {
-        b.metric("kvserver_snapshots_total") >= 1.0
+        b.metric("kvrouter_snapshots_total") >= 1.0
     });
     drop(b); // SIGKILL
     std::thread::sleep(Duration::from_millis(700));
     let b = replica(b_port, &[&e0, &e1], &nats, &snap);
-    let catch_up = b.metric("kvserver_catch_up_seconds");
-    assert_eq!(b.metric("kvserver_snapshot_restored"), 1.0);
+    let catch_up = b.metric("kvrouter_catch_up_seconds");
+    assert_eq!(b.metric("kvrouter_snapshot_restored"), 1.0);
     std::thread::sleep(Duration::from_millis(500));
     stop.store(true, Ordering::Relaxed);
     let sent = load.join().unwrap();
@@ -299,8 +299,8 @@ fn a_replica_killed_under_load_catches_up_exactly() {
         positions(&b),
         "no batch lost or applied twice"
     );
-    assert_eq!(b.metric("kvserver_kv_batches_rejected_total"), 0.0);
-    assert_eq!(b.metric("kvserver_kv_gaps_total"), 0.0);
+    assert_eq!(b.metric("kvrouter_kv_batches_rejected_total"), 0.0);
+    assert_eq!(b.metric("kvrouter_kv_gaps_total"), 0.0);
     eprintln!("{sent} requests; the restarted replica caught up in {catch_up} s");
 }
 
@@ -312,7 +312,7 @@ fn relay_and_nats_restarts_lose_nothing() {
     let e = engine();
     let mut relayed = relay(&e, &nats);
     let s = replica(free_port(), &[&e], &nats, &[]);
-    let zmq = Kvserver::start(&[&e], &[]);
+    let zmq = Kvrouter::start(&[&e], &[]);
     for i in 0..10 {
         send(&s, i);
     }
@@ -334,8 +334,8 @@ fn relay_and_nats_restarts_lose_nothing() {
     }
     nats.restart();
     send_until_agree(&zmq, &s, 200);
-    assert_eq!(s.metric("kvserver_kv_gaps_total"), 0.0);
-    assert_eq!(s.metric("kvserver_kv_batches_rejected_total"), 0.0);
+    assert_eq!(s.metric("kvrouter_kv_gaps_total"), 0.0);
+    assert_eq!(s.metric("kvrouter_kv_batches_rejected_total"), 0.0);
     drop(relayed);
 }
 
@@ -346,7 +346,7 @@ fn an_unreadable_snapshot_falls_back_to_the_whole_stream() {
     let Some(nats) = Nats::start() else { return };
     let e = engine();
     let _relayed = relay(&e, &nats);
-    let zmq = Kvserver::start(&[&e], &[]);
+    let zmq = Kvrouter::start(&[&e], &[]);
     for i in 0..8 {
         send(&zmq, i);
     }
@@ -356,7 +356,7 @@ fn an_unreadable_snapshot_falls_back_to_the_whole_stream() {
         let js = async_nats::jetstream::new(client);
         let store = js
             .create_object_store(async_nats::jetstream::object_store::Config {
-                bucket: kvserver::nats::SNAPSHOT_BUCKET.to_string(),
+                bucket: kvrouter::nats::SNAPSHOT_BUCKET.to_string(),
                 ..Default::default()
             })
             .await
@@ -368,7 +368,7 @@ fn an_unreadable_snapshot_falls_back_to_the_whole_stream() {
     });
     let s = replica(free_port(), &[&e], &nats, &[]);
     wait_agree(&zmq, &[&s]);
-    assert_eq!(s.metric("kvserver_snapshot_restored"), 0.0);
+    assert_eq!(s.metric("kvrouter_snapshot_restored"), 0.0);
     assert!(views(&s)[0].1 > 0);
 }
 
@@ -380,17 +380,17 @@ fn a_batch_stored_twice_is_dropped() {
     let e = engine();
     let _relayed = relay(&e, &nats);
     let s = replica(free_port(), &[&e], &nats, &[]);
-    let zmq = Kvserver::start(&[&e], &[]);
+    let zmq = Kvrouter::start(&[&e], &[]);
     for i in 0..6 {
         send(&zmq, i);
     }
     wait_agree(&zmq, &[&s]);
     let url = nats.url();
-    let subject = kvserver::nats::subject_of(&e.name());
+    let subject = kvrouter::nats::subject_of(&e.name());
     tokio::runtime::Runtime::new().unwrap().block_on(async {
         let client = async_nats::connect(url.as_str()).await.unwrap();
         let js = async_nats::jetstream::new(client);
-        let stream = js.get_stream(kvserver::nats::STREAM).await.unwrap();
+        let stream = js.get_stream(kvrouter::nats::STREAM).await.unwrap();
         let mut first = stream.get_raw_message(1).await.unwrap();
         first.headers.insert("Nats-Msg-Id", "a retry long after");
         js.publish_with_headers(subject, first.headers, first.payload)
@@ -400,8 +400,8 @@ fn a_batch_stored_twice_is_dropped() {
             .unwrap();
     });
     wait_until("the duplicate is seen", || {
-        s.metric("kvserver_kv_batches_rejected_total") == 1.0
+        s.metric("kvrouter_kv_batches_rejected_total") == 1.0
     });
-    assert_eq!(s.metric("kvserver_kv_restarts_total"), 0.0);
+    assert_eq!(s.metric("kvrouter_kv_restarts_total"), 0.0);
     wait_agree(&zmq, &[&s]);
 }

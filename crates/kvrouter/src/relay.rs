@@ -1,4 +1,4 @@
-//! `kvserver relay`: one engine's ZMQ KV events into the JetStream stream, each batch once and
+//! `kvrouter relay`: one engine's ZMQ KV events into the JetStream stream, each batch once and
 //! in order.
 //!
 //! The relay subscribes to the engine's publisher. Before publishing a batch it publishes what
@@ -47,7 +47,7 @@ pub async fn run(
         match last_on_subject(&stream, &subject).await {
             Ok(m) => break m,
             Err(e) => {
-                eprintln!("kvserver relay: {e} (retrying)");
+                eprintln!("kvrouter relay: {e} (retrying)");
                 tokio::time::sleep(Duration::from_millis(500)).await;
             }
         }
@@ -58,7 +58,7 @@ pub async fn run(
     });
     let events = args.worker.events.clone().unwrap_or_default();
     eprintln!(
-        "kvserver relay: {events} -> {subject} (last published: {})",
+        "kvrouter relay: {events} -> {subject} (last published: {})",
         at.map_or("none".to_string(), |p| format!(
             "batch {} of run {}",
             p.seq, p.epoch
@@ -71,14 +71,14 @@ pub async fn run(
                 let frames = msg.into_vec();
                 let [_, seq, payload] = &frames[..] else {
                     eprintln!(
-                        "kvserver relay: a message of {} frames (expected 3): dropped",
+                        "kvrouter relay: a message of {} frames (expected 3): dropped",
                         frames.len()
                     );
                     continue;
                 };
                 let Ok(seq) = parse_seq_frame(seq) else {
                     eprintln!(
-                        "kvserver relay: a sequence frame of {} bytes: dropped",
+                        "kvrouter relay: a sequence frame of {} bytes: dropped",
                         seq.len()
                     );
                     continue;
@@ -109,7 +109,7 @@ async fn relay(
         // A live publisher never repeats a number: it started over.
         Some(p) if seq <= p.seq => {
             eprintln!(
-                "kvserver relay: {} started over (batch {seq} after {})",
+                "kvrouter relay: {} started over (batch {seq} after {})",
                 args.worker.name, p.seq
             );
             (p.epoch + 1, 0)
@@ -125,7 +125,7 @@ async fn relay(
                     }
                 }
                 Err(e) => eprintln!(
-                    "kvserver relay: replay of batches {expected}..{seq} from {replay} failed: {e}; the gap stays"
+                    "kvrouter relay: replay of batches {expected}..{seq} from {replay} failed: {e}; the gap stays"
                 ),
             }
         }
@@ -154,7 +154,7 @@ async fn publish(nats: &Nats, subject: &str, epoch: u64, seq: u64, payload: Byte
         match acked {
             Ok(()) => return,
             Err(e) => {
-                eprintln!("kvserver relay: batch {seq} not stored yet: {e} (retrying)");
+                eprintln!("kvrouter relay: batch {seq} not stored yet: {e} (retrying)");
                 tokio::time::sleep(wait).await;
                 wait = (wait * 2).min(Duration::from_secs(2));
                 // The stream may be gone (deleted, or a NATS server that lost its store).

@@ -1,7 +1,7 @@
 //! Worker discovery through etcd: the record an engine registers under a key prefix with a lease,
 //! and a minimal client of etcd's v3 JSON gateway (`/v3/kv/range`, `/v3/kv/put`,
 //! `/v3/lease/grant`, `/v3/lease/keepalive`) over plain HTTP, so no gRPC stack is needed.
-//! `kvmock --etcd-endpoint` registers itself; `kvserver --discovery-backend etcd` reads them.
+//! `kvmock --etcd-endpoint` registers itself; `kvrouter --discovery-backend etcd` reads them.
 
 use base64::engine::general_purpose::STANDARD as B64;
 use base64::Engine as _;

@@ -1,4 +1,4 @@
-//! What a router needs of an OpenAI request body (feature `openai`): the prompt (text, token ids
+//! What a router needs of an OpenAI request body the prompt (text, token ids
 //! or chat messages), the model, the streaming flags, `max_tokens` and vLLM's `cache_salt`.
 //!
 //! A router forwards the body unchanged; this only reads it, the way vLLM's OpenAI server does:
@@ -7,7 +7,7 @@
 //! caller's: this module has no tokenizer.
 //!
 //! ```
-//! use kvroute::openai::{parse, Endpoint, Input};
+//! use kvserve::openai::{parse, Endpoint, Input};
 //!
 //! let req = parse(Endpoint::Completions, br#"{"model": "m", "prompt": [1, 2, 3], "stream": true}"#)?;
 //! assert_eq!(req.input, Input::Ids(vec![1, 2, 3]));
@@ -25,7 +25,7 @@
 //!
 //! let err = parse(Endpoint::Completions, br#"{"prompt": "hi", "stream": "yes"}"#).unwrap_err();
 //! assert_eq!(err.to_string(), r#"stream: expected a boolean, got "yes""#);
-//! # Ok::<(), kvroute::openai::RequestError>(())
+//! # Ok::<(), kvserve::openai::RequestError>(())
 //! ```
 
 use serde_json::{Map, Value};
@@ -95,7 +95,7 @@ pub enum Part {
     /// An image, audio or video part, by its `type` (`image_url`, `input_audio`, ...), or a part
     /// of any other type the router does not read (`thinking`, `prompt_embeds`, ...). Its data
     /// is not kept: the router cannot hash it, so the routable prompt ends before it (see the
-    /// README's kvserver section).
+    /// README's kvrouter section).
     Media(String),
 }
 

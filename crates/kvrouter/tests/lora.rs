@@ -1,12 +1,12 @@
 //! A LoRA adapter end to end: two `kvmock` engines serving `my-lora` (`--lora-modules`), and
-//! `kvserver`, which learns the adapter from their `/v1/models` and hashes a request for it with
+//! `kvrouter`, which learns the adapter from their `/v1/models` and hashes a request for it with
 //! the adapter's name, as vLLM (and kvmock) key its blocks. Real processes on loopback ports.
 
 mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{Engine, Kvserver};
+use common::{Engine, Kvrouter};
 use kvtest::net::free_port;
 use serde_json::Value;
 
@@ -28,7 +28,7 @@ fn a_lora_request_hashes_with_the_adapter_name_and_hits_its_own_blocks() {
         Engine::start_with(free_port(), free_port(), free_port(), &lora),
         Engine::start_with(free_port(), free_port(), free_port(), &lora),
     ];
-    let server = Kvserver::start(&[&engines[0], &engines[1]], &[]);
+    let server = Kvrouter::start(&[&engines[0], &engines[1]], &[]);
     // The adapter is learned from the engines' /v1/models.
     let deadline = Instant::now() + Duration::from_secs(10);
     while server.get_json("/v1/admin/workers")["lora_adapters"] != serde_json::json!(["my-lora"]) {
@@ -63,7 +63,7 @@ fn a_lora_request_hashes_with_the_adapter_name_and_hits_its_own_blocks() {
     let (s, body) = server.post("/v1/completions", &completion("my-lora", &prompt));
     assert_eq!(s, 200, "{body}");
     assert_eq!(cached_tokens(&body), 0, "{body}");
-    assert_eq!(server.metric("kvserver_cache_hit_blocks_total"), 0.0);
+    assert_eq!(server.metric("kvrouter_cache_hit_blocks_total"), 0.0);
     wait_blocks(8);
     // The adapter's prefix again: routed to the engine holding its blocks, and a hit there.
     let mut longer = prompt.clone();
@@ -73,6 +73,6 @@ fn a_lora_request_hashes_with_the_adapter_name_and_hits_its_own_blocks() {
     let v: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["model"], "my-lora", "{v}");
     assert_eq!(cached_tokens(&body), 64, "{body}");
-    assert_eq!(server.metric("kvserver_cache_hit_blocks_total"), 4.0);
-    assert_eq!(server.metric("kvserver_request_blocks_total"), 13.0);
+    assert_eq!(server.metric("kvrouter_cache_hit_blocks_total"), 4.0);
+    assert_eq!(server.metric("kvrouter_request_blocks_total"), 13.0);
 }

@@ -1,4 +1,4 @@
-//! `kvserver`: the KV-aware router server of the source document, on `kvroute`.
+//! `kvrouter`: the KV-aware router server of the source document, on `kvroute`.
 //!
 //! Engines (vLLM, SGLang, `kvmock`) publish their KV events over ZMQ; the server mirrors every
 //! worker's cache from them ([`kvroute::vllm`]), tokenises each OpenAI-compatible request with
@@ -22,10 +22,10 @@
 //!
 //! ```no_run
 //! use clap::Parser;
-//! let cfg = kvserver::Config::parse_from(["kvserver", "--port", "8000",
+//! let cfg = kvrouter::Config::parse_from(["kvrouter", "--port", "8000",
 //!     "--worker", "http://127.0.0.1:30000,events=tcp://127.0.0.1:5557"]);
 //! let rt = tokio::runtime::Runtime::new()?;
-//! rt.block_on(kvserver::run(cfg, std::future::pending()))?;
+//! rt.block_on(kvrouter::run(cfg, std::future::pending()))?;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 #![deny(missing_docs)]
@@ -113,11 +113,11 @@ pub async fn serve(
             match nats::load_snapshot(&nats).await {
                 Ok(Some((ids, mirror))) => {
                     if let Err(e) = server.restore(ids, mirror) {
-                        eprintln!("kvserver: snapshot not restored ({e}): replaying the stream from its start");
+                        eprintln!("kvrouter: snapshot not restored ({e}): replaying the stream from its start");
                     }
                 }
                 Ok(None) => {}
-                Err(e) => eprintln!("kvserver: {e}: replaying the stream from its start"),
+                Err(e) => eprintln!("kvrouter: {e}: replaying the stream from its start"),
             }
         }
         let _ = server.nats.set(nats);
@@ -149,7 +149,7 @@ pub async fn serve(
             std::sync::atomic::Ordering::Relaxed,
         );
         eprintln!(
-            "kvserver: caught up with the KV-event stream in {} ms",
+            "kvrouter: caught up with the KV-event stream in {} ms",
             took.as_millis()
         );
         if snapshot_every > 0 {

@@ -79,7 +79,7 @@ pub async fn on_message(server: &Server, worker: &Worker, frames: &[Bytes]) {
                     }
                 }
                 Err(e) => eprintln!(
-                    "kvserver: replay from {} of worker {} failed: {e}",
+                    "kvrouter: replay from {} of worker {} failed: {e}",
                     replay, worker.spec.name
                 ),
             }
@@ -142,7 +142,7 @@ fn count(server: &Server, worker: &Worker, r: &Result<IngestSummary, VllmError>)
         Err(e) => {
             c.batches_rejected.fetch_add(1, Ordering::Relaxed);
             eprintln!(
-                "kvserver: KV-event batch of worker {} rejected: {e}",
+                "kvrouter: KV-event batch of worker {} rejected: {e}",
                 worker.spec.name
             );
             false

@@ -1,4 +1,4 @@
-//! Test support: `kvmock` and `kvserver` processes on free loopback ports, killed on drop, and
+//! Test support: `kvmock` and `kvrouter` processes on free loopback ports, killed on drop, and
 //! the server's admin views. Every wait is bounded.
 #![allow(dead_code)]
 
@@ -104,23 +104,23 @@ impl Engine {
     }
 }
 
-pub struct Kvserver {
+pub struct Kvrouter {
     _proc: Proc,
     pub port: u16,
 }
 
-impl Kvserver {
-    pub fn start(engines: &[&Engine], extra: &[&str]) -> Kvserver {
+impl Kvrouter {
+    pub fn start(engines: &[&Engine], extra: &[&str]) -> Kvrouter {
         let workers: Vec<String> = engines.iter().map(|e| e.spec()).collect();
-        let k = Kvserver::start_at(free_port(), &workers, extra);
+        let k = Kvrouter::start_at(free_port(), &workers, extra);
         // Let the subscriptions reach the publishers (ZMQ's slow joiner).
         std::thread::sleep(Duration::from_millis(500));
         k
     }
 
     /// A server on `port` with these `--worker` values and flags, once it answers.
-    pub fn start_at(port: u16, workers: &[String], extra: &[&str]) -> Kvserver {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvserver"));
+    pub fn start_at(port: u16, workers: &[String], extra: &[&str]) -> Kvrouter {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvrouter"));
         cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()]);
         for w in workers {
             cmd.args(["--worker", w]);
@@ -130,9 +130,9 @@ impl Kvserver {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .expect("kvserver starts");
-        wait_healthy(port, &mut child, "kvserver");
-        Kvserver {
+            .expect("kvrouter starts");
+        wait_healthy(port, &mut child, "kvrouter");
+        Kvrouter {
             _proc: Proc(child),
             port,
         }

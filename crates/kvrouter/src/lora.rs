@@ -100,7 +100,7 @@ impl Adapters {
 /// ```
 /// let v = serde_json::json!({"data": [{"id": "base", "parent": null},
 ///                                     {"id": "my-lora", "parent": "base"}]});
-/// assert_eq!(kvserver::lora::listed(&v).collect::<Vec<_>>(), ["my-lora"]);
+/// assert_eq!(kvrouter::lora::listed(&v).collect::<Vec<_>>(), ["my-lora"]);
 /// ```
 pub fn listed(models: &Value) -> impl Iterator<Item = &str> {
     models["data"]

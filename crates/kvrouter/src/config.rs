@@ -9,7 +9,7 @@ use clap::Parser;
 /// requests in, each tokenised, scored against every worker's mirrored KV cache (fed by the
 /// engines' ZMQ KV events) and forwarded to the winner, the response streamed back.
 #[derive(Debug, Clone, Parser)]
-#[command(name = "kvserver", version, about, long_about, after_help = EXAMPLES)]
+#[command(name = "kvrouter", version, about, long_about, after_help = EXAMPLES)]
 #[command(args_conflicts_with_subcommands = true)]
 pub struct Config {
     /// Address to listen on.
@@ -52,12 +52,12 @@ pub struct Config {
     #[arg(long = "worker", value_name = "URL[,events=EP][,replay=EP]")]
     pub workers: Vec<WorkerSpec>,
     /// How KV events arrive: zmq (a SUB to each worker's publisher, vLLM's and SGLang's), or
-    /// nats (a JetStream stream that `kvserver relay` sidecars fill, one subject per worker:
+    /// nats (a JetStream stream that `kvrouter relay` sidecars fill, one subject per worker:
     /// durable, so a restarted replica catches up; see --nats-url).
     #[arg(long, default_value = "zmq", value_name = "TRANSPORT")]
     pub kv_event_transport: EventTransport,
     /// The NATS server (with JetStream) of --kv-event-transport nats, --router-replica-sync
-    /// and `kvserver relay`.
+    /// and `kvrouter relay`.
     #[arg(long, default_value = "nats://127.0.0.1:4222", value_name = "URL")]
     pub nats_url: String,
     /// Share in-flight load with the other replicas over NATS (subject kvkit.load.*): each
@@ -121,12 +121,12 @@ pub struct Config {
     /// Adapters the workers list in /v1/models (with a parent) are learned as well, every 2 s.
     #[arg(long, num_args = 1.., value_delimiter = ',', value_name = "NAME[=PATH]", value_parser = parse_lora_module)]
     pub lora_modules: Vec<String>,
-    /// A sidecar instead of the server (`kvserver relay --help`).
+    /// A sidecar instead of the server (`kvrouter relay --help`).
     #[command(subcommand)]
     pub command: Option<Command>,
 }
 
-/// `kvserver`'s subcommands.
+/// `kvrouter`'s subcommands.
 #[derive(Debug, Clone, clap::Subcommand)]
 pub enum Command {
     /// Relay one engine's ZMQ KV events into the JetStream stream that replicas started with
@@ -135,7 +135,7 @@ pub enum Command {
     Relay(RelayArgs),
 }
 
-/// `kvserver relay`.
+/// `kvrouter relay`.
 #[derive(Debug, Clone, clap::Args)]
 #[command(after_help = RELAY_EXAMPLES)]
 pub struct RelayArgs {
@@ -150,7 +150,7 @@ pub struct RelayArgs {
 
 const RELAY_EXAMPLES: &str = "Example:
   nats-server -js -sd /tmp/nats &
-  kvserver relay --worker http://127.0.0.1:30000,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558";
+  kvrouter relay --worker http://127.0.0.1:30000,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558";
 
 fn parse_relayed(s: &str) -> Result<WorkerSpec, String> {
     let spec: WorkerSpec = s.parse()?;
@@ -168,22 +168,22 @@ const EXAMPLES: &str = "Examples:
 '{\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:5557\",\"replay_endpoint\":\"tcp://*:5558\"}' &
   kvmock --port 30001 --enable-kv-events --kv-events-config \
 '{\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:5567\",\"replay_endpoint\":\"tcp://*:5568\"}' &
-  kvserver --port 8000 \\
+  kvrouter --port 8000 \\
     --worker http://127.0.0.1:30000,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558 \\
     --worker http://127.0.0.1:30001,events=tcp://127.0.0.1:5567,replay=tcp://127.0.0.1:5568
   curl localhost:8000/v1/completions -d '{\"prompt\": [1, 2, 3], \"max_tokens\": 4}'
   curl localhost:8000/v1/admin/cache-view/127.0.0.1:30000
 
   # replicas that share events and load through NATS (nats-server -js), a relay per engine
-  kvserver relay --worker http://127.0.0.1:30000,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558 &
-  kvserver --port 8000 --kv-event-transport nats --router-replica-sync --replica-id 1 \\
+  kvrouter relay --worker http://127.0.0.1:30000,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558 &
+  kvrouter --port 8000 --kv-event-transport nats --router-replica-sync --replica-id 1 \\
     --worker http://127.0.0.1:30000 &
-  kvserver --port 8001 --kv-event-transport nats --router-replica-sync --replica-id 2 \\
+  kvrouter --port 8001 --kv-event-transport nats --router-replica-sync --replica-id 2 \\
     --worker http://127.0.0.1:30000";
 
 impl Default for Config {
     fn default() -> Self {
-        Config::parse_from(["kvserver"])
+        Config::parse_from(["kvrouter"])
     }
 }
 

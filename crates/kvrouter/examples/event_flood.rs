@@ -2,7 +2,7 @@
 //! measure what a path of events can carry (for example relay -> JetStream -> router):
 //!
 //! ```text
-//! cargo run --release -p kvserver --example event_flood -- tcp://127.0.0.1:5557 20000 16
+//! cargo run --release -p kvrouter --example event_flood -- tcp://127.0.0.1:5557 20000 16
 //! ```
 //!
 //! Arguments: the PUB endpoint to bind, the number of batches, and blocks per batch (each batch

@@ -1,4 +1,4 @@
-//! NATS parts: KV events read from a JetStream stream that `kvserver relay` fills (one subject
+//! NATS parts: KV events read from a JetStream stream that `kvrouter relay` fills (one subject
 //! per worker, durable, so a restarted replica catches up), load deltas shared between
 //! replicas on plain NATS subjects, and snapshots of the mirror in a JetStream object store.
 
@@ -49,7 +49,7 @@ impl std::fmt::Debug for Nats {
 /// `kvkit.events.127_0_0_1_30000`).
 ///
 /// ```
-/// assert_eq!(kvserver::nats::subject_of("127.0.0.1:30000"), "kvkit.events.127_0_0_1_30000");
+/// assert_eq!(kvrouter::nats::subject_of("127.0.0.1:30000"), "kvkit.events.127_0_0_1_30000");
 /// ```
 pub fn subject_of(worker: &str) -> String {
     let safe: String = worker
@@ -119,7 +119,7 @@ pub(crate) async fn follow(server: Arc<Server>, worker: Arc<Worker>) {
     loop {
         if let Err(e) = follow_once(&server, &worker, &nats, &subject).await {
             eprintln!(
-                "kvserver: JetStream events of worker {}: {e} (retrying)",
+                "kvrouter: JetStream events of worker {}: {e} (retrying)",
                 worker.spec.name
             );
         }
@@ -145,7 +145,7 @@ async fn follow_once(
         // The stream is younger than the mirror (it was deleted, or NATS lost its store):
         // what the mirror holds cannot be followed; start it afresh from the new stream.
         eprintln!(
-            "kvserver: the events stream ends before worker {}'s position: its mirror starts afresh",
+            "kvrouter: the events stream ends before worker {}'s position: its mirror starts afresh",
             worker.spec.name
         );
         let mut m = server.mirror();
@@ -207,7 +207,7 @@ async fn follow_once(
             None => {
                 skip(server, worker, position);
                 eprintln!(
-                    "kvserver: message {position} of {subject} has no {SEQ_HEADER} header: skipped"
+                    "kvrouter: message {position} of {subject} has no {SEQ_HEADER} header: skipped"
                 );
             }
         }
@@ -283,11 +283,11 @@ pub(crate) async fn snapshot_loop(server: Arc<Server>, every: u64) {
             Ok(bytes) => {
                 last = now;
                 server.counters.snapshots.fetch_add(1, Ordering::Relaxed);
-                if std::env::var_os("KVSERVER_LOG").is_some_and(|v| v == "debug") {
-                    eprintln!("kvserver: snapshot stored ({bytes} bytes)");
+                if std::env::var_os("KVROUTER_LOG").is_some_and(|v| v == "debug") {
+                    eprintln!("kvrouter: snapshot stored ({bytes} bytes)");
                 }
             }
-            Err(e) => eprintln!("kvserver: snapshot not stored: {e}"),
+            Err(e) => eprintln!("kvrouter: snapshot not stored: {e}"),
         }
     }
 }
@@ -346,7 +346,7 @@ pub(crate) async fn publish_deltas(
             continue;
         };
         if let Err(e) = nats.client.publish(subject.clone(), bytes.into()).await {
-            eprintln!("kvserver: load deltas not published: {e}");
+            eprintln!("kvrouter: load deltas not published: {e}");
         }
     }
 }
@@ -360,7 +360,7 @@ pub(crate) async fn apply_deltas(server: Arc<Server>) {
     let mut sub = match nats.client.subscribe(format!("{LOAD_PREFIX}>")).await {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("kvserver: cannot subscribe to load deltas: {e}");
+            eprintln!("kvrouter: cannot subscribe to load deltas: {e}");
             return;
         }
     };
@@ -430,7 +430,7 @@ pub(crate) async fn catch_up(server: &Server, nats: &Nats) -> Result<Duration, S
             match last_on_subject(&stream, &subject).await {
                 Ok(m) => break m.map(|m| m.sequence),
                 Err(e) => {
-                    eprintln!("kvserver: catching up: {e} (retrying)");
+                    eprintln!("kvrouter: catching up: {e} (retrying)");
                     tokio::time::sleep(Duration::from_millis(500)).await;
                 }
             }
@@ -441,7 +441,7 @@ pub(crate) async fn catch_up(server: &Server, nats: &Nats) -> Result<Duration, S
         while !done() {
             if waited.elapsed() >= Duration::from_secs(5) {
                 eprintln!(
-                    "kvserver: still catching up with worker {}'s events (at {:?} of {last:?})",
+                    "kvrouter: still catching up with worker {}'s events (at {:?} of {last:?})",
                     w.spec.name,
                     server.mirror().ingest.position(w.id)
                 );

@@ -4,11 +4,11 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use kvroute::openai::{ChatMessage, Input};
+use crate::openai::{ChatMessage, Input};
 use minijinja::Environment;
 use serde_json::Value;
 
-use crate::error::MockError;
+use crate::error::Error;
 
 /// The template used when the model ships none: ChatML.
 pub const DEFAULT_CHAT_TEMPLATE: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n\
@@ -171,7 +171,7 @@ pub struct ChatTemplate {
 
 impl ChatTemplate {
     /// A template from its Jinja source.
-    pub fn new(source: &str, bos: String, eos: String) -> Result<Self, MockError> {
+    pub fn new(source: &str, bos: String, eos: String) -> Result<Self, Error> {
         let mut env = Environment::new();
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
@@ -184,23 +184,23 @@ impl ChatTemplate {
             },
         );
         env.add_template_owned("chat", source.to_string())
-            .map_err(|e| MockError::Template(e.to_string()))?;
+            .map_err(|e| Error::Template(e.to_string()))?;
         Ok(ChatTemplate { env, bos, eos })
     }
 
     /// Renders `messages` (OpenAI's list) with `add_generation_prompt = true`.
-    pub fn render(&self, messages: &Value) -> Result<String, MockError> {
+    pub fn render(&self, messages: &Value) -> Result<String, Error> {
         let t = self
             .env
             .get_template("chat")
-            .map_err(|e| MockError::Template(e.to_string()))?;
+            .map_err(|e| Error::Template(e.to_string()))?;
         t.render(minijinja::context! {
             messages => messages,
             add_generation_prompt => true,
             bos_token => &self.bos,
             eos_token => &self.eos,
         })
-        .map_err(|e| MockError::Template(e.to_string()))
+        .map_err(|e| Error::Template(e.to_string()))
     }
 }
 
@@ -230,19 +230,19 @@ fn token_text(v: Option<&Value>) -> String {
     }
 }
 
-/// The prompt of an OpenAI completions request (read with [`kvroute::openai::parse`]) as token
+/// The prompt of an OpenAI completions request (read with [`kvserve::openai::parse`]) as token
 /// ids: text through `encode`, token ids as they are. Chat messages are refused (render them
 /// with [`chat_text`] first).
 ///
 /// ```
-/// use kvmock::tokenize::prompt_tokens;
-/// use kvroute::openai::{parse, Endpoint};
+/// use kvserve::tokenize::prompt_tokens;
+/// use kvserve::openai::{parse, Endpoint};
 /// let input = |b: &str| parse(Endpoint::Completions, b.as_bytes()).map(|r| r.input);
 /// let ids = prompt_tokens(&input(r#"{"prompt": [1, 2, 3]}"#)?, |_| Err("no text".into()));
 /// assert_eq!(ids, Ok(vec![1, 2, 3]));
 /// let text = prompt_tokens(&input(r#"{"prompt": "hi"}"#)?, |t| Ok(vec![t.len() as u32]));
 /// assert_eq!(text, Ok(vec![2]));
-/// # Ok::<(), kvroute::openai::RequestError>(())
+/// # Ok::<(), kvserve::openai::RequestError>(())
 /// ```
 pub fn prompt_tokens(
     input: &Input,
@@ -301,8 +301,8 @@ pub fn chat_text_before(
 
 /// Loads `--tokenizer PATH`: a `tokenizer.json`, or a directory with it and (optionally)
 /// `tokenizer_config.json` holding `chat_template`, `bos_token`, `eos_token`.
-pub fn load(path: &Path) -> Result<(Codec, ChatTemplate), MockError> {
-    let err = |message: String| MockError::Tokenizer {
+pub fn load(path: &Path) -> Result<(Codec, ChatTemplate), Error> {
+    let err = |message: String| Error::Tokenizer {
         path: path.display().to_string(),
         message,
     };
@@ -438,7 +438,7 @@ mod tests {
             {"role": "user", "content": [{"type": "text", "text": "what is"},
                                          {"type": "image_url", "image_url": {"url": "x"}}]},
             {"role": "user", "content": "and this?"}]}"#;
-        let req = kvroute::openai::parse(kvroute::openai::Endpoint::Chat, body).unwrap();
+        let req = crate::openai::parse(crate::openai::Endpoint::Chat, body).unwrap();
         let Input::Messages(msgs) = &req.input else {
             panic!("{req:?}")
         };

@@ -10,8 +10,8 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kvblock::{BlockHasher, BlockSize};
-use kvmock::tokenize;
 use kvroute::{KvEvent, RequestId, Role, Router, WorkerId};
+use kvserve::tokenize;
 
 const TOKENS: usize = 4096;
 const WORKERS: u64 = 64;

@@ -7,7 +7,7 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Engine, Kvserver, Proc};
+use common::{Engine, Kvrouter, Proc};
 use kvtest::net::{free_port, try_http};
 use serde_json::Value;
 
@@ -52,7 +52,7 @@ fn start_etcd(dir: &std::path::Path) -> (Proc, u16) {
     }
 }
 
-fn names(server: &Kvserver) -> Vec<String> {
+fn names(server: &Kvrouter) -> Vec<String> {
     let v: Value = server.get_json("/v1/admin/workers");
     v["workers"]
         .as_array()
@@ -79,7 +79,7 @@ fn workers_come_and_go_through_etcd() {
     let dir = tempfile::tempdir().unwrap();
     let (_etcd, port) = start_etcd(dir.path());
     let etcd = format!("127.0.0.1:{port}");
-    let server = Kvserver::start(
+    let server = Kvrouter::start(
         &[],
         &["--discovery-backend", "etcd", "--etcd-endpoint", &etcd],
     );

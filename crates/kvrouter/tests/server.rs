@@ -1,4 +1,4 @@
-//! `kvserver` in front of two `kvmock` engines, all real processes on free loopback ports:
+//! `kvrouter` in front of two `kvmock` engines, all real processes on free loopback ports:
 //! routing by the engines' KV events, streaming, the admin views and metrics, bad input, and an
 //! engine that goes away. Every wait is bounded; every process is killed on drop.
 
@@ -7,7 +7,7 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{wait_healthy, Engine, Kvserver, Proc};
+use common::{wait_healthy, Engine, Kvrouter, Proc};
 use kvtest::net::{free_port, http, sse_events};
 use serde_json::Value;
 
@@ -20,7 +20,7 @@ fn completion(tokens: &[u32], stream: bool) -> String {
 #[test]
 fn routes_by_the_engines_events_and_streams_back() {
     let (a, b) = (Engine::start(), Engine::start());
-    let server = Kvserver::start(&[&a, &b], &[]);
+    let server = Kvrouter::start(&[&a, &b], &[]);
     let prompt: Vec<u32> = (0..64).collect();
 
     let (status, body) = server.post("/v1/completions", &completion(&prompt, false));
@@ -51,9 +51,9 @@ fn routes_by_the_engines_events_and_streams_back() {
             .1,
         2
     );
-    assert_eq!(server.metric("kvserver_cache_hit_blocks_total"), 4.0);
-    assert_eq!(server.metric("kvserver_request_blocks_total"), 9.0);
-    assert!(server.metric("kvserver_kv_batches_applied_total") >= 1.0);
+    assert_eq!(server.metric("kvrouter_cache_hit_blocks_total"), 4.0);
+    assert_eq!(server.metric("kvrouter_request_blocks_total"), 9.0);
+    assert!(server.metric("kvrouter_kv_batches_applied_total") >= 1.0);
     // Every request's load was released when its response ended.
     let workers = server.get_json("/v1/admin/workers");
     for w in workers["workers"].as_array().unwrap() {
@@ -70,14 +70,14 @@ fn routes_by_the_engines_events_and_streams_back() {
     let salted = serde_json::json!({"prompt": prompt, "max_tokens": 1, "cache_salt": "tenant-7"});
     let (status, body) = server.post("/v1/completions", &salted.to_string());
     assert_eq!(status, 200, "{body}");
-    assert_eq!(server.metric("kvserver_cache_hit_blocks_total"), 4.0);
-    assert_eq!(server.metric("kvserver_request_blocks_total"), 13.0);
+    assert_eq!(server.metric("kvrouter_cache_hit_blocks_total"), 4.0);
+    assert_eq!(server.metric("kvrouter_request_blocks_total"), 13.0);
 }
 
 #[test]
 fn bad_input_gets_openai_errors() {
     let a = Engine::start();
-    let server = Kvserver::start(&[&a], &["--max-body-bytes", "2000"]);
+    let server = Kvrouter::start(&[&a], &["--max-body-bytes", "2000"]);
     let error = |(status, body): (u16, String)| {
         let v: Value = serde_json::from_str(&body).unwrap_or_else(|_| panic!("{status}: {body}"));
         (
@@ -139,7 +139,7 @@ fn bad_input_gets_openai_errors() {
 #[test]
 fn a_worker_that_goes_away_is_skipped_and_its_requests_go_elsewhere() {
     let (mut a, b) = (Engine::start(), Engine::start());
-    let server = Kvserver::start(&[&a, &b], &["--router-policy", "round-robin"]);
+    let server = Kvrouter::start(&[&a, &b], &["--router-policy", "round-robin"]);
     let prompt: Vec<u32> = (0..32).collect();
     for _ in 0..2 {
         let (status, body) = server.post("/v1/completions", &completion(&prompt, false));
@@ -167,7 +167,7 @@ fn a_worker_that_goes_away_is_skipped_and_its_requests_go_elsewhere() {
     assert_eq!(state(&b.name())["routed"], 5, "{workers}");
     assert!(
         server.metric(&format!(
-            "kvserver_upstream_errors_total{{worker=\"{}\"}}",
+            "kvrouter_upstream_errors_total{{worker=\"{}\"}}",
             a.name()
         )) >= 1.0
     );
@@ -194,13 +194,13 @@ fn a_worker_that_goes_away_is_skipped_and_its_requests_go_elsewhere() {
 #[test]
 fn no_worker_is_503() {
     let port = free_port();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvserver"))
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvrouter"))
         .args(["--host", "127.0.0.1", "--port", &port.to_string()])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    wait_healthy(port, &mut child, "kvserver");
+    wait_healthy(port, &mut child, "kvrouter");
     let _guard = Proc(child);
     let (status, body) = http(
         port,
@@ -214,14 +214,14 @@ fn no_worker_is_503() {
 
 #[test]
 fn bad_flags_exit_2_naming_the_flag() {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvserver"))
+    let out = Command::new(env!("CARGO_BIN_EXE_kvrouter"))
         .args(["--worker", "127.0.0.1:30000"])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--worker") && err.contains("http://"), "{err}");
-    let out = Command::new(env!("CARGO_BIN_EXE_kvserver"))
+    let out = Command::new(env!("CARGO_BIN_EXE_kvrouter"))
         .args(["--block-size", "0", "--port", &free_port().to_string()])
         .output()
         .unwrap();
@@ -246,7 +246,7 @@ fn bad_flags_exit_2_naming_the_flag() {
             "--lora-modules",
         ),
     ] {
-        let out = Command::new(env!("CARGO_BIN_EXE_kvserver"))
+        let out = Command::new(env!("CARGO_BIN_EXE_kvrouter"))
             .args(args)
             .args(["--port", &free_port().to_string()])
             .output()
@@ -263,7 +263,7 @@ fn bad_flags_exit_2_naming_the_flag() {
         ),
         (&["relay", "--worker", "127.0.0.1:1"][..], "http://"),
     ] {
-        let out = Command::new(env!("CARGO_BIN_EXE_kvserver"))
+        let out = Command::new(env!("CARGO_BIN_EXE_kvrouter"))
             .args(args)
             .output()
             .unwrap();
@@ -278,7 +278,7 @@ fn bad_flags_exit_2_naming_the_flag() {
 #[test]
 fn the_routing_model_options_route_and_release() {
     let (a, b) = (Engine::start(), Engine::start());
-    let server = Kvserver::start(
+    let server = Kvrouter::start(
         &[&a, &b],
         &[
             "--cost-model",
@@ -328,7 +328,7 @@ fn trusted_tail_first_evictions_keep_the_router_exact() {
         free_port(),
         &["--num-gpu-blocks", "16"],
     );
-    let server = Kvserver::start(&[&engine], &["--tail-first-evictions"]);
+    let server = Kvrouter::start(&[&engine], &["--tail-first-evictions"]);
     let (mut predicted, mut resident) = (0.0, Vec::new());
     for k in 0..40u32 {
         // A prefix of 2..=9 blocks of one of two prompts, then 5..=37 tokens of its own (a new
@@ -346,7 +346,7 @@ fn trusted_tail_first_evictions_keep_the_router_exact() {
         let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
             .as_f64()
             .unwrap();
-        let hits = server.metric("kvserver_cache_hit_blocks_total");
+        let hits = server.metric("kvrouter_cache_hit_blocks_total");
         assert_eq!(
             hits - predicted,
             cached / 16.0,
@@ -377,7 +377,7 @@ fn an_engine_killed_mid_stream_ends_the_response_and_releases_the_load() {
     let port = free_port();
     let (events, replay) = (free_port(), free_port());
     let mut a = Engine::start_with(port, events, replay, &["--speedup", "1"]);
-    let server = Kvserver::start(&[&a], &[]);
+    let server = Kvrouter::start(&[&a], &[]);
     let body = serde_json::json!({"prompt": [1, 2, 3, 4], "max_tokens": 5000, "stream": true,
                                   "ignore_eos": true})
     .to_string();
@@ -415,7 +415,7 @@ fn an_engine_killed_mid_stream_ends_the_response_and_releases_the_load() {
 fn a_slow_worker_is_a_gateway_timeout() {
     // Real time: 2,000 tokens take over 14 s of 7 ms steps.
     let a = Engine::start_with(free_port(), free_port(), free_port(), &["--speedup", "1"]);
-    let server = Kvserver::start(&[&a], &["--upstream-timeout-s", "0.3"]);
+    let server = Kvrouter::start(&[&a], &["--upstream-timeout-s", "0.3"]);
     let slow = serde_json::json!({"prompt": [1, 2, 3], "max_tokens": 2000, "ignore_eos": true});
     let started = Instant::now();
     let (status, body) = server.post("/v1/completions", &slow.to_string());
@@ -424,7 +424,7 @@ fn a_slow_worker_is_a_gateway_timeout() {
     assert!(started.elapsed() < Duration::from_secs(10));
     let workers = server.get_json("/v1/admin/workers");
     assert_eq!(workers["workers"][0]["in_flight"], 0, "{workers}");
-    assert_eq!(server.metric("kvserver_upstream_errors_total"), 1.0);
+    assert_eq!(server.metric("kvrouter_upstream_errors_total"), 1.0);
     let (status, body) = server.post("/v1/completions", &completion(&[1, 2, 3], true));
     assert_eq!(status, 200, "{body}");
 }
