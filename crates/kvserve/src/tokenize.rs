@@ -230,7 +230,7 @@ fn token_text(v: Option<&Value>) -> String {
     }
 }
 
-/// The prompt of an OpenAI completions request (read with [`kvserve::openai::parse`]) as token
+/// The prompt of an OpenAI completions request (read with [`crate::openai::parse`]) as token
 /// ids: text through `encode`, token ids as they are. Chat messages are refused (render them
 /// with [`chat_text`] first).
 ///

@@ -647,7 +647,8 @@ impl Engine {
         // vLLM admits nothing in a step that preempted (unless nothing else runs: an empty
         // step would only come back here).
         let idle = self.chunks.is_empty() && self.decoding == 0;
-        if self.preemptions == before || idle {
+        let admits = self.preemptions == before || idle;
+        if admits {
             while budget > 0 && self.running() < self.cfg.max_num_seqs {
                 let Some(&s) = self.waiting.front() else {
                     break;
@@ -661,7 +662,9 @@ impl Engine {
                 prefill_tokens += chunk;
             }
         }
-        self.blocked = !self.waiting.is_empty();
+        // Blocked only if the head was tried and did not fit: after a step that preempted, the
+        // next one tries again (so it is not a quiet step).
+        self.blocked = admits && !self.waiting.is_empty();
         if self.chunks.is_empty() && self.decoding == 0 {
             return None;
         }

@@ -142,30 +142,30 @@ fn speedup_and_request_count() {
     assert!(quick.makespan_s < slow.makespan_s);
 }
 
-fn shared(name: &str) -> Option<PathBuf> {
+/// A file of the shared data beside the repository (the tests that use it are ignored by
+/// default; `.ci/run` runs them, and a missing file fails them).
+fn shared(name: &str) -> PathBuf {
     let p = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../../shared/data")
         .join(name);
-    if p.exists() {
-        Some(p)
-    } else {
-        println!(
-            "skipped: {} is absent (the shared data sits beside the repository in CI only)",
-            p.display()
-        );
-        None
-    }
+    assert!(
+        p.exists(),
+        "{} is absent: the shared data sits beside the repository",
+        p.display()
+    );
+    p
 }
 
 /// The acceptance figures on the real traces: replaying with one unbounded instance and
 /// non-overlapping arrivals reuses exactly the ideal share of full blocks.
 #[test]
+#[ignore = "needs ../shared/data beside the repository (.ci/run runs it)"]
 fn mooncake_traces_replay_to_their_ideal_hit_rate() {
     for (name, ideal) in [
         ("mooncake_synthetic_trace.jsonl", 0.659),
         ("mooncake_conversation_trace.jsonl", 0.382),
     ] {
-        let Some(path) = shared(name) else { return };
+        let path = shared(name);
         let trace = Trace::load(&path, bs(512)).unwrap();
         let stats = trace.stats();
         assert!(
@@ -181,10 +181,9 @@ fn mooncake_traces_replay_to_their_ideal_hit_rate() {
 /// On the conversation trace every request starts with block 0: kv beats round robin on block
 /// reuse by a wide margin, and prefix_aware with K=1 sends everything to one instance.
 #[test]
+#[ignore = "needs ../shared/data beside the repository (.ci/run runs it)"]
 fn conversation_trace_policies() {
-    let Some(path) = shared("mooncake_conversation_trace.jsonl") else {
-        return;
-    };
+    let path = shared("mooncake_conversation_trace.jsonl");
     let trace = Trace::load(&path, bs(512)).unwrap();
     let run_k = |policy, k| {
         let mut cfg = SimConfig::default().with_trace(trace.clone());
@@ -223,10 +222,9 @@ fn conversation_trace_policies() {
 /// own timestamps come in 3 s ticks of about 10 simultaneous requests): 8 replicas synced after
 /// 5 ms balance like one router and keep its TTFT tail within 10%; unsynced ones do not.
 #[test]
+#[ignore = "needs ../shared/data beside the repository (.ci/run runs it)"]
 fn synced_replicas_route_like_one_router() {
-    let Some(path) = shared("mooncake_conversation_trace.jsonl") else {
-        return;
-    };
+    let path = shared("mooncake_conversation_trace.jsonl");
     let trace = Trace::load(&path, bs(512)).unwrap();
     let run = |routers, sync| {
         let mut cfg = SimConfig::default().with_trace(trace.clone());
