@@ -284,6 +284,25 @@ fn the_lora_name_in_extra_keys_is_not_hashed_twice() {
 
 #[test]
 fn unknown_kinds_count_as_full_attention_and_lookahead_is_accepted() {
+    // vLLM 0.33 writes lookahead tokens as list[list[int]], one list per block (an empty one or
+    // nil where a block has none): such a batch applies, and the blocks hit as without them.
+    for lookahead in [vec![vec![16, 17], vec![32, 33]], vec![vec![], vec![32]]] {
+        let mut st = BlockStored::new(
+            vec![EngineHash::Int(501), EngineHash::Int(502)],
+            None,
+            toks(0, 32),
+            16,
+        );
+        st.lookahead_token_ids = Some(lookahead.clone());
+        let batch = EventBatch::new(1.0, vec![EngineEvent::BlockStored(st)]);
+        let payload = batch.to_msgpack();
+        assert_eq!(decode_event_batch(&payload).unwrap(), batch);
+        let (mut r, mut ingest) = (router(), VllmIngest::new());
+        let s = ingest.apply_payload(&mut r, W0, None, &payload).unwrap();
+        assert_eq!(s.blocks_stored, 2, "{lookahead:?}");
+        assert_eq!(hits(&r, &toks(0, 32))[&W0], 2, "{lookahead:?}");
+    }
+
     for shape in SHAPES {
         let (mut r, mut ingest) = (router(), VllmIngest::new());
         let payload = &fx(&format!("unknown_kind_lookahead_{shape}"));
@@ -291,7 +310,8 @@ fn unknown_kinds_count_as_full_attention_and_lookahead_is_accepted() {
         let EngineEvent::BlockStored(st) = &batch.events[0] else {
             panic!()
         };
-        assert_eq!(st.lookahead_token_ids.as_deref(), Some(&[32u32][..]));
+        // An older flat list reads as one list.
+        assert_eq!(st.lookahead_token_ids, Some(vec![vec![32u32]]));
         let s = ingest.apply_payload(&mut r, W0, None, payload).unwrap();
         assert_eq!((s.unknown_group_kinds, s.blocks_stored), (1, 2), "{shape}");
         assert_eq!(ingest.stats(W0).unknown_group_kinds, 1);

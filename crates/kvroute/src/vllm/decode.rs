@@ -5,7 +5,7 @@ use rmpv::Value;
 
 use super::error::{clip, schema};
 use super::wire::{
-    engine_hash, extra_keys, hash_list, opt_group, opt_i64, opt_string, opt_tokens, opt_u64,
+    engine_hash, extra_keys, hash_list, opt_group, opt_i64, opt_lookahead, opt_string, opt_u64,
     token_list, CLEARED, REMOVED, STORED,
 };
 use super::{BlockRemoved, BlockStored, EngineEvent, EventBatch, VllmError};
@@ -289,7 +289,7 @@ fn build(at: String, kind: Kind, raw: Raw) -> Result<EngineEvent, VllmError> {
                     raw.kv_cache_spec_sliding_window,
                     "a window in tokens (an integer >= 0), or nil",
                 )?,
-                lookahead_token_ids: opt_tokens(
+                lookahead_token_ids: opt_lookahead(
                     &format!("{at}.lookahead_token_ids"),
                     raw.lookahead_token_ids,
                 )?,

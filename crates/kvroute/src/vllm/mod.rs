@@ -128,8 +128,9 @@
 //!   possibly stale (the next router event id is skipped).
 //! - `lora_id` without `lora_name` hashes as no adapter. [`Router::route_tokens`] hashes without a
 //!   LoRA salt; route LoRA requests with [`Router::route`] and a salted [`BlockHasher`].
-//! - `lookahead_token_ids` (speculative decoding: tokens after a block that also keyed the
-//!   engine's hash) are decoded, not hashed: our hash of a block names the block and its whole
+//! - `lookahead_token_ids` (lookahead hashing: per block, the tokens after it that also keyed the
+//!   engine's hash of it; vLLM 0.33 writes `list[list[int]]`, one list per block, and an older
+//!   flat list is read as one list) are decoded, not hashed: our hash of a block names the block and its whole
 //!   prefix, which is what a later request must share for a hit. An engine that keys one of our
 //!   blocks by more than that stores it under several engine hashes; ingestion counts them per
 //!   block and removes ours with the last.

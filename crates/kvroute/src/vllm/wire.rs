@@ -91,9 +91,11 @@ pub struct BlockStored {
     pub kv_cache_spec_kind: Option<String>,
     /// The sliding-window group's window, in tokens.
     pub kv_cache_spec_sliding_window: Option<u64>,
-    /// Tokens after the last block that keyed the engine's hash (speculative decoding with a
-    /// draft model); accepted, not hashed (see the [module docs](super#limits)).
-    pub lookahead_token_ids: Option<Vec<u32>>,
+    /// Per block, the tokens after it that also keyed the engine's hash of it (lookahead
+    /// hashing, e.g. speculative decoding): vLLM 0.33 writes `list[list[int]]`, one list per
+    /// block; an older flat `list[int]` reads as one list. `None` (absent or nil): lookahead
+    /// hashing is off. Accepted, not hashed (see the [module docs](super#limits)).
+    pub lookahead_token_ids: Option<Vec<Vec<u32>>>,
     /// The request's cache salt, from SGLang's `BlockStoredWithMetadata` (its trailing
     /// `metadata` map, `{"cache_salt": ...}`). Ingestion keys a prompt's first block with it, as
     /// the router keys a request with `cache_salt` ([`kvblock::vllm_extra_keys`]), so only
@@ -397,7 +399,11 @@ fn fields(e: &EngineEvent) -> Vec<(&'static str, Value, bool)> {
             ),
             (
                 "lookahead_token_ids",
-                s.lookahead_token_ids.as_deref().map_or(Value::Nil, tokens),
+                s.lookahead_token_ids
+                    .as_deref()
+                    .map_or(Value::Nil, |lists| {
+                        Value::Array(lists.iter().map(|l| tokens(l)).collect())
+                    }),
                 true,
             ),
             // SGLang's `BlockStoredWithMetadata` appends it last.
@@ -588,9 +594,29 @@ pub(super) fn extra_keys(
     }
 }
 
-pub(super) fn opt_tokens(at: &str, v: Option<Value>) -> Result<Option<Vec<u32>>, VllmError> {
+/// `lookahead_token_ids`: a list of per-block token lists (vLLM 0.33; a nil entry is an empty
+/// list), or an older flat token list, read as one list; absent or nil is `None`.
+pub(super) fn opt_lookahead(
+    at: &str,
+    v: Option<Value>,
+) -> Result<Option<Vec<Vec<u32>>>, VllmError> {
     match v {
         None | Some(Value::Nil) => Ok(None),
-        Some(v) => token_list(at, v).map(Some),
+        Some(Value::Array(items))
+            if items
+                .iter()
+                .any(|x| matches!(x, Value::Array(_) | Value::Nil)) =>
+        {
+            items
+                .into_iter()
+                .enumerate()
+                .map(|(i, x)| match x {
+                    Value::Nil => Ok(Vec::new()),
+                    x => token_list(&format!("{at}[{i}]"), x),
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map(Some)
+        }
+        Some(v) => token_list(at, v).map(|flat| Some(vec![flat])),
     }
 }
