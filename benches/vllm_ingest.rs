@@ -10,10 +10,10 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kvkit::kvblock::BlockSize;
-use kvkit::kvroute::vllm::{
+use kvkit::kvroute::{Router, WorkerId};
+use kvkit::kvroute_vllm::{
     BlockRemoved, BlockStored, EngineEvent, EngineHash, EventBatch, VllmIngest,
 };
-use kvkit::kvroute::{Router, WorkerId};
 use kvtest::splitmix;
 
 const WORKERS: u64 = 8;

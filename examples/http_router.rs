@@ -21,7 +21,7 @@
 //!
 //! ```text
 //! curl -X POST localhost:8000/v1/kv-events/0.0.0.0:30000 -H 'content-type: application/msgpack' \
-//!      -H 'x-kv-seq: 0' --data-binary @crates/kvroute/tests/fixtures/stored_positional_int.msgpack
+//!      -H 'x-kv-seq: 0' --data-binary @crates/kvroute-vllm/tests/fixtures/stored_positional_int.msgpack
 //! curl -X POST localhost:8000/v1/route -d '{"request_id": 1, "token_ids": [0, 1, 2, ..., 63]}'
 //! curl localhost:8000/v1/admin/cache-view/0.0.0.0:30000
 //! curl -X POST localhost:8000/v1/finish/1
@@ -45,8 +45,8 @@ use axum::routing::{get, post};
 use axum::Json;
 use kvkit::kvblock::{vllm_extra_keys, MultimodalSpan};
 use kvkit::kvblock::{BlockHash, BlockSize};
-use kvkit::kvroute::vllm::{decode_event_batch, IngestSummary, VllmError, VllmIngest};
 use kvkit::kvroute::{self, Policy, RequestId, Role, Router, Salt, WorkerId};
+use kvkit::kvroute_vllm::{decode_event_batch, IngestSummary, VllmError, VllmIngest};
 use serde::Deserialize;
 use serde_json::{json, Value};
 

@@ -6,10 +6,12 @@
 //! - [`kvblock`]: token ids to chained XXH3-64 block hashes.
 //! - [`kvcache`]: one engine's block cache, and the router's multi-worker cache index.
 //! - [`kvroute`]: the cost function, in-flight load tracking, the policies and the `Router`.
+//! - [`kvroute_vllm`]: vLLM's and SGLang's KV-event wire, decoded and applied to a `Router`.
 //! - [`kvsim`]: the discrete-event fleet simulator (the `kvsim` command is in that crate).
 #![deny(missing_docs)]
 
 pub use kvblock;
 pub use kvcache;
 pub use kvroute;
+pub use kvroute_vllm;
 pub use kvsim;

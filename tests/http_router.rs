@@ -10,7 +10,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use kvkit::kvroute::vllm::{BlockRemoved, BlockStored, EngineEvent, EngineHash, EventBatch};
+use kvkit::kvroute_vllm::{BlockRemoved, BlockStored, EngineEvent, EngineHash, EventBatch};
 use serde_json::Value;
 
 #[path = "../examples/http_router.rs"]
@@ -195,7 +195,7 @@ fn events_route_cache_view_and_removal() {
     let (status, body) = server.events(A, None, &payload(vec![stored(&[5, 6], Some(4), 64..96)]));
     assert_eq!(status, 200, "{body}");
     // The checked-in fixture (vLLM's map shape with byte hashes) for worker B.
-    let fixture = include_bytes!("../crates/kvroute/tests/fixtures/stored_map_bytes.msgpack");
+    let fixture = include_bytes!("../crates/kvroute-vllm/tests/fixtures/stored_map_bytes.msgpack");
     let (status, body) = server.events(B, Some(0), fixture);
     assert_eq!(status, 200, "{body}");
     assert_eq!((server.block_count(A), server.block_count(B)), (6, 3));
@@ -315,10 +315,10 @@ fn malformed_requests_are_client_errors() {
 
     // Bad msgpack: 400 with the reason as text, and no phantom worker registered.
     for bad in [
-        &include_bytes!("../crates/kvroute/tests/fixtures/bad_truncated.msgpack")[..],
-        &include_bytes!("../crates/kvroute/tests/fixtures/bad_unknown_type.msgpack")[..],
-        &include_bytes!("../crates/kvroute/tests/fixtures/bad_token_count.msgpack")[..],
-        &include_bytes!("../crates/kvroute/tests/fixtures/bad_block_size.msgpack")[..],
+        &include_bytes!("../crates/kvroute-vllm/tests/fixtures/bad_truncated.msgpack")[..],
+        &include_bytes!("../crates/kvroute-vllm/tests/fixtures/bad_unknown_type.msgpack")[..],
+        &include_bytes!("../crates/kvroute-vllm/tests/fixtures/bad_token_count.msgpack")[..],
+        &include_bytes!("../crates/kvroute-vllm/tests/fixtures/bad_block_size.msgpack")[..],
         b"not msgpack at all",
     ] {
         let (status, ctype, body) = server.request("POST", &format!("/v1/kv-events/{A}"), &[], bad);
@@ -403,7 +403,8 @@ fn command_line() {
 #[test]
 fn hybrid_groups_and_multimodal_keys_over_http() {
     let server = Server::start(http_router::Config::default());
-    let fx = include_bytes!("../crates/kvroute/tests/fixtures/hybrid_sliding_window_map.msgpack");
+    let fx =
+        include_bytes!("../crates/kvroute-vllm/tests/fixtures/hybrid_sliding_window_map.msgpack");
     let (status, body) = server.events(A, Some(0), fx);
     assert_eq!(status, 200, "{body}");
     let (status, v) = server.json(
@@ -423,8 +424,9 @@ fn hybrid_groups_and_multimodal_keys_over_http() {
         (Some(A), Some(16))
     );
 
-    let fx =
-        include_bytes!("../crates/kvroute/tests/fixtures/multimodal_extra_keys_positional.msgpack");
+    let fx = include_bytes!(
+        "../crates/kvroute-vllm/tests/fixtures/multimodal_extra_keys_positional.msgpack"
+    );
     let (status, body) = server.events(B, Some(0), fx);
     assert_eq!(status, 200, "{body}");
     let placeholders = serde_json::to_string(&vec![151_655u32; 32]).unwrap();

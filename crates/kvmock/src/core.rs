@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use kvblock::{BlockHash, BlockHasher, BlockSize};
 use kvcache::{FixedState, KvEvent};
-use kvroute::vllm::{BlockRemoved, BlockStored, EngineEvent, EngineHash, KeyValue};
+use kvroute_vllm::{BlockRemoved, BlockStored, EngineEvent, EngineHash, KeyValue};
 use kvsim::{Engine, EngineConfig, EngineRequest, LinearTiming, Outcome};
 
 use crate::events::engine_block_hash;
@@ -445,8 +445,8 @@ impl Core {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvroute::vllm::VllmIngest;
     use kvroute::{Router, WorkerId};
+    use kvroute_vllm::VllmIngest;
 
     fn cfg(kv: Option<usize>) -> EngineConfig {
         let mut c = EngineConfig::new(BlockSize::new(4).unwrap());
@@ -507,7 +507,7 @@ mod tests {
         let mut ingest = VllmIngest::new();
         for (seq, b) in batches.into_iter().enumerate() {
             let payload = crate::events::encode_batch(
-                &kvroute::vllm::EventBatch::new(0.0, b),
+                &kvroute_vllm::EventBatch::new(0.0, b),
                 crate::events::WireShape::Map,
             );
             let seq = (seq as u64).to_be_bytes();
@@ -589,7 +589,7 @@ mod tests {
                     w,
                     None,
                     &crate::events::encode_batch(
-                        &kvroute::vllm::EventBatch::new(0.0, b),
+                        &kvroute_vllm::EventBatch::new(0.0, b),
                         crate::events::WireShape::Map,
                     ),
                 )

@@ -12,7 +12,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use kvroute::vllm::{EngineEvent, EventBatch};
+use kvroute_vllm::{EngineEvent, EventBatch};
 
 use serde::Deserialize;
 use tokio::sync::mpsc;
@@ -280,7 +280,7 @@ async fn serve_replay(mut router: zeromq::RouterSocket, buffer: Buffer) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvroute::vllm::{decode_event_batch, BlockRemoved, BlockStored, EngineHash};
+    use kvroute_vllm::{decode_event_batch, BlockRemoved, BlockStored, EngineHash};
     use rmpv::Value;
 
     #[test]

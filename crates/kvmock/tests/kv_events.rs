@@ -1,12 +1,12 @@
-//! kvmock's KV events on vLLM's wire, decoded by the router side (`kvroute::vllm`): both
+//! kvmock's KV events on vLLM's wire, decoded by the router side (`kvroute_vllm`): both
 //! shapes, replay after a missed sequence number, and an engine restart.
 
 mod common;
 
 use common::{completion_body, free_port, next_msg, replay, rt, subscriber, Mock};
 use kvblock::{BlockHasher, BlockSize};
-use kvroute::vllm::{decode_event_batch, parse_seq_frame, EngineEvent, VllmIngest};
 use kvroute::{RequestId, Role, Router, WorkerId};
+use kvroute_vllm::{decode_event_batch, parse_seq_frame, EngineEvent, VllmIngest};
 use zeromq::SocketRecv;
 
 const BS: usize = 16;
@@ -128,7 +128,7 @@ fn both_shapes_rebuild_the_engine_cache_in_a_router() {
             assert_eq!(s.medium.as_deref(), Some("GPU"));
             // Engine hashes are the engine's own: the router had to re-hash the tokens.
             let ours = BlockHasher::new(BlockSize::new(BS).unwrap()).sequence_hashes(&prompt(0));
-            let kvroute::vllm::EngineHash::Int(h0) = s.block_hashes[0] else {
+            let kvroute_vllm::EngineHash::Int(h0) = s.block_hashes[0] else {
                 panic!()
             };
             assert_ne!(h0, ours[0].get());

@@ -46,7 +46,6 @@
 //!
 //! | feature | default | what it adds | what it costs |
 //! |---|---|---|---|
-//! | `vllm` | off | the `kvroute::vllm` module: decodes vLLM's (and SGLang's) MessagePack KV-event batches and applies them to a [`Router`] (engine block hashes mapped to ours, sequence numbers checked) | the `rmpv` crate (MessagePack values) |
 //! | `serde` | off | `Serialize`/`Deserialize` for [`LoadDelta`] (and `kvblock/serde`, `kvcache/serde`) | the `serde` crate |
 //!
 //! Always needed: `kvcache` (and `kvblock`), `hashbrown`, `xxhash-rust` (the consistent-hash
@@ -65,8 +64,6 @@ mod model;
 mod replicas;
 mod ring;
 mod router;
-#[cfg(feature = "vllm")]
-pub mod vllm;
 
 use std::fmt;
 use std::str::FromStr;

@@ -12,7 +12,7 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kvroute::vllm::{BlockStored, EngineEvent, EngineHash, EventBatch};
+use kvroute_vllm::{BlockStored, EngineEvent, EngineHash, EventBatch};
 use zeromq::{Socket, SocketSend, ZmqMessage};
 
 #[tokio::main]

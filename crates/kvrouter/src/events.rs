@@ -1,4 +1,4 @@
-//! KV events: one ZMQ SUB per worker, decoded and applied by `kvroute::vllm`; missed batches are
+//! KV events: one ZMQ SUB per worker, decoded and applied by `kvroute_vllm`; missed batches are
 //! fetched from the worker's replay socket before the batch that revealed the gap.
 
 use std::sync::atomic::Ordering;
@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvroute::vllm::{parse_seq_frame, IngestSummary, VllmError};
+use kvroute_vllm::{parse_seq_frame, IngestSummary, VllmError};
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::state::{Server, Worker};

@@ -1,7 +1,7 @@
 //! `kvrouter`: the KV-aware router server of the source document, on `kvroute`.
 //!
 //! Engines (vLLM, SGLang, `kvmock`) publish their KV events over ZMQ; the server mirrors every
-//! worker's cache from them ([`kvroute::vllm`]), tokenises each OpenAI-compatible request with
+//! worker's cache from them ([`kvroute_vllm`]), tokenises each OpenAI-compatible request with
 //! the model's tokenizer (and chat template), scores every worker with the cost function,
 //! forwards the request body unchanged to the winner and streams the response back, releasing
 //! the request's load when the stream ends, fails or the client goes away. A worker that

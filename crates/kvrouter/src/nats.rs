@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer, object_store, stream};
 use futures_util::StreamExt;
-use kvroute::vllm::MirrorSnapshot;
 use kvroute::{LoadDelta, WorkerId};
+use kvroute_vllm::MirrorSnapshot;
 use serde_json::Value;
 use tokio::io::AsyncReadExt;
 

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use async_nats::HeaderMap;
 use bytes::Bytes;
-use kvroute::vllm::parse_seq_frame;
+use kvroute_vllm::parse_seq_frame;
 use zeromq::SocketRecv;
 
 use crate::config::RelayArgs;

@@ -12,8 +12,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use kvblock::BlockSize;
-use kvroute::vllm::VllmIngest;
 use kvroute::{LoadDelta, Router, WorkerId};
+use kvroute_vllm::VllmIngest;
 use kvserve::tokenize::{self, ChatTemplate, Codec};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -240,7 +240,7 @@ impl Server {
     pub fn restore(
         &self,
         ids: BTreeMap<String, WorkerId>,
-        mirror: kvroute::vllm::MirrorSnapshot,
+        mirror: kvroute_vllm::MirrorSnapshot,
     ) -> Result<(), String> {
         let mut m = self.mirror();
         let m = &mut *m;
@@ -265,7 +265,7 @@ impl Server {
 
     /// The mirror's snapshot and the names of the ids it uses, taken together (the workers'
     /// lock, then the mirror's, as `add_worker` takes them).
-    pub fn snapshot_state(&self) -> (BTreeMap<String, WorkerId>, kvroute::vllm::MirrorSnapshot) {
+    pub fn snapshot_state(&self) -> (BTreeMap<String, WorkerId>, kvroute_vllm::MirrorSnapshot) {
         let list = self.workers.read().unwrap_or_else(|e| e.into_inner());
         let ids = list.iter().map(|w| (w.spec.name.clone(), w.id)).collect();
         let m = self.mirror();

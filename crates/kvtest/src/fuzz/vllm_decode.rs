@@ -1,4 +1,4 @@
-//! `vllm_decode`: bytes from the network into `kvroute::vllm` (feature `vllm`), never a panic.
+//! `vllm_decode`: bytes from the network into `kvroute_vllm` (feature `vllm`), never a panic.
 //!
 //! 1. The whole input is one MessagePack payload for `decode_event_batch`. A batch that decodes
 //!    re-encodes (`to_msgpack`) to bytes that decode to the same batch and re-encode to the same
@@ -9,7 +9,7 @@
 //! 2. The input is also a stream of messages through `VllmIngest` into a `Router` of block size
 //!    16 with workers 0 and 1: `payload (0xc1 control payload)*`. `0xc1` is the one byte
 //!    MessagePack never uses, so a checked-in payload (the fixtures of
-//!    `crates/kvroute/tests/fixtures/`) is one message, and libFuzzer's cross-overs splice them
+//!    `crates/kvroute-vllm/tests/fixtures/`) is one message, and libFuzzer's cross-overs splice them
 //!    into streams. The control byte (0 for the first message) picks the worker (bits 0-1: 0, 1,
 //!    0, or the unregistered 9), the batch sequence number (bits 2-4: the expected one, one or
 //!    1000 ahead, one behind, or 0) and the call (bits 5-7: `apply_multipart` with the frames
@@ -32,11 +32,11 @@
 
 use kvblock::BlockSize;
 use kvcache::{IndexSnapshot, WorkerId};
-use kvroute::vllm::{
+use kvroute::{Error, Router};
+use kvroute_vllm::{
     decode_event_batch, parse_seq_frame, EngineEvent, EventBatch, IngestStats, VllmError,
     VllmIngest,
 };
-use kvroute::{Error, Router};
 
 /// Messages applied per input, at most.
 const MAX_MESSAGES: usize = 64;

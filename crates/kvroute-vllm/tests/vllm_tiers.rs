@@ -1,9 +1,8 @@
 //! vLLM's `medium`: blocks offloaded to host memory are mirrored as the host tier and credited
 //! where the device's run ends; they carry no tokens, so they map through the device's hashes.
-#![cfg(feature = "vllm")]
 
-use kvroute::vllm::{BlockRemoved, BlockStored, EngineEvent, EngineHash, EventBatch, VllmIngest};
 use kvroute::{RequestId, Role, Router, Tier, TierCredits, WorkerId};
+use kvroute_vllm::{BlockRemoved, BlockStored, EngineEvent, EngineHash, EventBatch, VllmIngest};
 
 fn hashes(ids: std::ops::Range<u64>) -> Vec<EngineHash> {
     ids.map(EngineHash::Int).collect()

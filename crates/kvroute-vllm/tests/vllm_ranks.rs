@@ -1,10 +1,9 @@
 //! Data-parallel ranks: each rank of an engine is its own worker, with its own mirror and its own
 //! sequence numbers, and the router scores the ranks apart.
-#![cfg(feature = "vllm")]
 
 use kvblock::BlockHasher;
-use kvroute::vllm::{BlockStored, EngineEvent, EngineHash, EventBatch, VllmError, VllmIngest};
 use kvroute::{BlockSize, RequestId, Role, Router, WorkerId};
+use kvroute_vllm::{BlockStored, EngineEvent, EngineHash, EventBatch, VllmError, VllmIngest};
 
 fn stored(first: u64, tokens: std::ops::Range<u32>, parent: Option<u64>) -> EngineEvent {
     let n = (tokens.len() / 16) as u64;

@@ -7,7 +7,7 @@ use kvcache::{IndexSnapshot, WorkerId};
 
 use super::ingest::Feed;
 use super::{EngineHash, VllmError, VllmIngest};
-use crate::Router;
+use kvroute::Router;
 
 /// The [`MirrorSnapshot`] format this version of the crate writes and reads.
 pub const MIRROR_SNAPSHOT_VERSION: u32 = 1;
@@ -26,7 +26,7 @@ pub const MIRROR_SNAPSHOT_VERSION: u32 = 1;
 /// data-parallel rank assignments. In-flight load is never part of a snapshot.
 ///
 /// ```
-/// use kvroute::vllm::{BlockStored, EngineEvent, EngineHash, EventBatch, VllmIngest};
+/// use kvroute_vllm::{BlockStored, EngineEvent, EngineHash, EventBatch, VllmIngest};
 /// use kvroute::{Router, WorkerId};
 ///
 /// let builder = || Router::builder().block_size(kvblock::BlockSize::new(4).unwrap());

@@ -1,13 +1,13 @@
 //! Mirror snapshots: a snapshot taken at any point of a vLLM event stream, sent through JSON,
 //! restored, and followed by the rest of the stream gives exactly the live router and adapter.
-#![cfg(all(feature = "vllm", feature = "serde"))]
+#![cfg(feature = "serde")]
 
 use kvblock::BlockSize;
-use kvroute::vllm::{
+use kvroute::{RequestId, Role, Router, WorkerId};
+use kvroute_vllm::{
     BlockRemoved, BlockStored, EngineEvent, EngineHash, EventBatch, MirrorSnapshot, VllmError,
     VllmIngest,
 };
-use kvroute::{RequestId, Role, Router, WorkerId};
 use proptest::prelude::*;
 
 const BS: usize = 4;

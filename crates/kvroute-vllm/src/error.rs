@@ -147,7 +147,7 @@ pub enum VllmError {
     },
     /// The router refused the batch (for example an unregistered worker).
     #[error(transparent)]
-    Router(#[from] crate::Error),
+    Router(#[from] kvroute::Error),
 }
 
 pub(super) fn schema(at: String, expected: &'static str, got: &Value) -> VllmError {
@@ -188,7 +188,7 @@ pub(super) fn clip(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::vllm::decode_event_batch;
+    use crate::decode_event_batch;
 
     #[test]
     fn errors_name_the_value() {

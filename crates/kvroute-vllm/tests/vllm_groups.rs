@@ -1,16 +1,15 @@
 //! vLLM events of hybrid models (several KV-cache groups) and multimodal prompts (per-block extra
 //! keys): the two reproductions of the bug report in both wire shapes, each group kind, and a
 //! model test of the hit rule over random group event streams.
-#![cfg(feature = "vllm")]
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use kvblock::{vllm_extra_keys, BlockHasher, BlockSize, MultimodalSpan};
-use kvroute::vllm::{
+use kvroute::{CacheGroup, GroupRule, RequestId, Role, Router, Salt, WorkerId};
+use kvroute_vllm::{
     decode_event_batch, BlockRemoved, BlockStored, EngineEvent, EngineHash, EventBatch, KeyValue,
     VllmError, VllmIngest,
 };
-use kvroute::{CacheGroup, GroupRule, RequestId, Role, Router, Salt, WorkerId};
 use proptest::prelude::*;
 
 /// A checked-in fixture of `fixtures/make_vllm_fixtures.py`.

@@ -17,9 +17,9 @@ const MAX_DEPTH: usize = 64;
 /// Reads a sequence-number frame: exactly 8 bytes, big-endian.
 ///
 /// ```
-/// assert_eq!(kvroute::vllm::parse_seq_frame(&7u64.to_be_bytes())?, 7);
-/// assert!(kvroute::vllm::parse_seq_frame(&[0, 7]).is_err());
-/// # Ok::<(), kvroute::vllm::VllmError>(())
+/// assert_eq!(kvroute_vllm::parse_seq_frame(&7u64.to_be_bytes())?, 7);
+/// assert!(kvroute_vllm::parse_seq_frame(&[0, 7]).is_err());
+/// # Ok::<(), kvroute_vllm::VllmError>(())
 /// ```
 pub fn parse_seq_frame(frame: &[u8]) -> Result<u64, VllmError> {
     <[u8; 8]>::try_from(frame)
@@ -30,7 +30,7 @@ pub fn parse_seq_frame(frame: &[u8]) -> Result<u64, VllmError> {
 /// Decodes one vLLM MessagePack event batch (either event shape, either hash encoding).
 ///
 /// ```
-/// use kvroute::vllm::{decode_event_batch, EngineEvent};
+/// use kvroute_vllm::{decode_event_batch, EngineEvent};
 /// // [1.5, [["AllBlocksCleared"]]] in MessagePack.
 /// let payload = [0x92, 0xcb, 0x3f, 0xf8, 0, 0, 0, 0, 0, 0, 0x91, 0x91,
 ///     0xb0, b'A', b'l', b'l', b'B', b'l', b'o', b'c', b'k', b's',
@@ -39,7 +39,7 @@ pub fn parse_seq_frame(frame: &[u8]) -> Result<u64, VllmError> {
 /// assert_eq!(batch.timestamp, 1.5);
 /// assert_eq!(batch.events, [EngineEvent::AllBlocksCleared]);
 /// assert!(decode_event_batch(&payload[..12]).is_err()); // truncated
-/// # Ok::<(), kvroute::vllm::VllmError>(())
+/// # Ok::<(), kvroute_vllm::VllmError>(())
 /// ```
 pub fn decode_event_batch(payload: &[u8]) -> Result<EventBatch, VllmError> {
     let mut rest = payload;

@@ -1,5 +1,5 @@
-//! vLLM KV-event ingestion (feature `vllm`): decode the engine's MessagePack event batches and
-//! apply them to a [`Router`].
+//! vLLM's and SGLang's KV-event wire for kvkit's router: decode the engines' MessagePack event
+//! batches and apply them to a [`kvroute::Router`].
 //!
 //! vLLM (`--kv-events-config` with the ZMQ publisher) sends one ZMQ multipart message per batch of
 //! cache changes: `(topic, 8-byte big-endian sequence number, payload)`, where the payload is a
@@ -44,7 +44,7 @@
 //!
 //! - the first full-attention group at the router's block size (normally group 0) is mirrored
 //!   by the router's index, as a single-group engine is;
-//! - every other group becomes a [`CacheGroup`](crate::CacheGroup) of the router, with the rule
+//! - every other group becomes a [`CacheGroup`](kvroute::CacheGroup) of the router, with the rule
 //!   of its kind: `sliding_window`/`sliding_window_mla` (with `kv_cache_spec_sliding_window`),
 //!   `mamba` (the state at the hit point), `full_attention`/`mla_attention`/
 //!   `sink_full_attention`; an unknown kind, or a sliding window without its size, is treated
@@ -55,7 +55,7 @@
 //!   hashes with (group 0, or no group, of full attention) must be at the router's block size.
 //!
 //! The hit the router predicts is the one vLLM's hybrid coordinator finds: the longest prefix
-//! that every group can serve (see [`CacheGroup`](crate::CacheGroup)).
+//! that every group can serve (see [`CacheGroup`](kvroute::CacheGroup)).
 //!
 //! # Extra keys (multimodal prompts, cache salts)
 //!
@@ -64,12 +64,12 @@
 //! salt, prompt-embedding digests, the LoRA name). Ingestion keys our hash of each block by its
 //! extra keys ([`kvblock::ExtraKeys`]; the LoRA name, which vLLM lists first, salts the hasher
 //! instead, so it is not hashed twice). Route such requests with
-//! [`Router::route_tokens_keyed`](crate::Router::route_tokens_keyed) and the request's keys
+//! [`Router::route_tokens_keyed`](kvroute::Router::route_tokens_keyed) and the request's keys
 //! ([`kvblock::vllm_extra_keys`]); a request without keys never hits blocks stored with keys.
 //!
 //! ```
 //! use kvblock::{BlockHasher, BlockSize};
-//! use kvroute::vllm::{BlockStored, EngineEvent, EngineHash, EventBatch, VllmIngest};
+//! use kvroute_vllm::{BlockStored, EngineEvent, EngineHash, EventBatch, VllmIngest};
 //! use kvroute::{RequestId, Role, Router, WorkerId};
 //!
 //! let mut router = Router::builder().block_size(BlockSize::new(4)?).build()?;
@@ -153,15 +153,26 @@
 //!   removed; removals lost in missed batches stay until the worker is cleared (by an
 //!   `AllBlocksCleared`, a publisher restart, or [`VllmIngest::forget_worker`]).
 //!
-//! [`Router`]: crate::Router
-//! [`Router::route`]: crate::Router::route
-//! [`Router::route_tokens`]: crate::Router::route_tokens
+//! [`Router`]: kvroute::Router
+//! [`Router::route`]: kvroute::Router::route
+//! [`Router::route_tokens`]: kvroute::Router::route_tokens
 //! [`KvEvent`]: kvcache::KvEvent
 //! [`BlockHasher`]: kvblock::BlockHasher
 //! [`WorkerId`]: kvcache::WorkerId
 //! [`Tier`]: kvcache::Tier
-//! [`TierCredits`]: crate::TierCredits
-//! [`Router::apply_tier_event`]: crate::Router::apply_tier_event
+//! [`TierCredits`]: kvroute::TierCredits
+//! [`Router::apply_tier_event`]: kvroute::Router::apply_tier_event
+
+#![deny(missing_docs)]
+#![forbid(unsafe_code)]
+// No input an engine or a file supplies may panic the library.
+#![cfg_attr(
+    not(test),
+    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
+)]
+
+/// Maps with a fixed hasher: no OS-seeded state in anything that must reproduce.
+pub(crate) type Map<K, V> = hashbrown::HashMap<K, V, kvcache::FixedState>;
 
 // The module by idea: `error` (what can go wrong), `wire` (the engine's types and how each field
 // is encoded), `decode` (network bytes into those types), `ingest` (applying them to a Router).

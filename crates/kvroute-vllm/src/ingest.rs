@@ -13,7 +13,8 @@ use super::{
     decode_event_batch, parse_seq_frame, BlockStored, EngineEvent, EngineHash, EventBatch,
     KeyValue, VllmError,
 };
-use crate::{CacheGroup, GroupRule, Map, Router};
+use crate::Map;
+use kvroute::{CacheGroup, GroupRule, Router};
 
 /// What one call of [`VllmIngest`] did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -167,7 +168,7 @@ impl VllmIngest {
     /// Returns the worker the rank had before, if any.
     ///
     /// ```
-    /// use kvroute::vllm::{BlockStored, EngineEvent, EngineHash, EventBatch, VllmIngest};
+    /// use kvroute_vllm::{BlockStored, EngineEvent, EngineHash, EventBatch, VllmIngest};
     /// use kvroute::{Router, WorkerId};
     ///
     /// let mut router = Router::builder().build()?;
@@ -262,7 +263,7 @@ impl VllmIngest {
         let worker = self.target(worker, batch);
         // An engine that has rank workers may itself be unregistered: checked before any change.
         if router.index().worker_index(worker).is_none() {
-            return Err(crate::Error::UnknownWorker { worker }.into());
+            return Err(kvroute::Error::UnknownWorker { worker }.into());
         }
         let checked = validate(batch, router.block_size().get());
         self.counting_rejects(router, worker, checked)?;
@@ -426,7 +427,7 @@ impl VllmIngest {
         // An engine whose ranks have workers of their own need not be registered itself.
         let ranked = || self.ranks.keys().any(|&(e, _)| e == worker);
         if router.index().worker_index(worker).is_none() && !ranked() {
-            return Err(crate::Error::UnknownWorker { worker }.into());
+            return Err(kvroute::Error::UnknownWorker { worker }.into());
         }
         if r.is_err() {
             self.feeds.entry(worker).or_default().totals.rejected += 1;
@@ -764,7 +765,7 @@ fn store(
             out.already_present += a.already_present;
         }
         // The index no longer holds the parent: it consumed the id and marked the worker stale.
-        Err(crate::Error::Index(kvcache::Error::UnknownParent { .. })) => {
+        Err(kvroute::Error::Index(kvcache::Error::UnknownParent { .. })) => {
             out.unknown_parents += 1;
         }
         Err(e) => return Err(e.into()),
@@ -779,7 +780,7 @@ fn apply(
     worker: WorkerId,
     feed: &mut Feed,
     event: &KvEvent,
-) -> Result<kvcache::Applied, crate::Error> {
+) -> Result<kvcache::Applied, kvroute::Error> {
     // The index's own counter, so events applied to the router directly do not collide.
     let next = router.index().next_event_id(worker).unwrap_or(0);
     let id = next.saturating_add(u64::from(std::mem::take(&mut feed.skip_id)));

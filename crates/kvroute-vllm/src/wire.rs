@@ -12,7 +12,7 @@ use super::VllmError;
 /// A block hash as the engine names it: opaque, and never equal to ours.
 ///
 /// ```
-/// use kvroute::vllm::EngineHash;
+/// use kvroute_vllm::EngineHash;
 /// assert_eq!(EngineHash::from(7u64).to_string(), "7");
 /// assert_eq!(EngineHash::from(-1i64), EngineHash::Int(u64::MAX)); // the i64 bit pattern
 /// assert_eq!(EngineHash::from(&[0xab, 0x01][..]).to_string(), "0xab01");
@@ -312,12 +312,12 @@ impl EventBatch {
     /// a default always, the defaulted ones only when set. [`decode_event_batch`] reads it back.
     ///
     /// ```
-    /// use kvroute::vllm::{decode_event_batch, BlockRemoved, EngineEvent, EngineHash, EventBatch};
+    /// use kvroute_vllm::{decode_event_batch, BlockRemoved, EngineEvent, EngineHash, EventBatch};
     /// let removed = BlockRemoved::new(vec![EngineHash::Int(5)]).in_group(1);
     /// let batch = EventBatch::new(2.0, vec![EngineEvent::BlockRemoved(removed)]);
     /// assert_eq!(decode_event_batch(&batch.to_msgpack_map())?, batch);
     /// assert_eq!(decode_event_batch(&batch.to_msgpack())?, batch);
-    /// # Ok::<(), kvroute::vllm::VllmError>(())
+    /// # Ok::<(), kvroute_vllm::VllmError>(())
     /// ```
     ///
     /// [`decode_event_batch`]: super::decode_event_batch
