@@ -7,7 +7,6 @@ use hashbrown::hash_map::Entry;
 use kvblock::{BlockHash, BlockHasher, BlockSize, ExtraKeys};
 use kvcache::{KvEvent, Tier, WorkerId};
 
-use super::snapshot::FeedSnapshot;
 use super::wire::SGLANG_CACHE_SALT_PREFIX;
 use super::{
     decode_event_batch, parse_seq_frame, BlockStored, EngineEvent, EngineHash, EventBatch,
@@ -138,6 +137,30 @@ pub(super) struct Feed {
     totals: IngestStats,
     /// The caller's stream position of the last batch applied (kept in snapshots).
     pub(super) position: Option<u64>,
+}
+
+/// One worker's vLLM feed in a [`MirrorSnapshot`](crate::MirrorSnapshot) (plain data, here so
+/// that the snapshot module depends on this one and not the other way round).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[non_exhaustive]
+pub struct FeedSnapshot {
+    /// The worker.
+    pub worker: WorkerId,
+    /// The next batch sequence number expected from its publisher.
+    pub next_seq: u64,
+    /// The caller's position in the worker's event stream that the snapshot reflects (the
+    /// last batch applied), as given to [`VllmIngest::set_position`].
+    pub position: Option<u64>,
+    /// Whether the KV-cache group the router's index mirrors is known (false before the
+    /// first store).
+    pub group_known: bool,
+    /// That group's index (`None` for an engine that sends none).
+    pub group: Option<u32>,
+    /// That group's engine hash to our hash, sorted by engine hash.
+    pub blocks: Vec<(EngineHash, BlockHash)>,
+    /// Whether the next router event id is skipped (a gap the index has yet to record).
+    pub skip_id: bool,
 }
 
 /// Applies vLLM event batches to a [`Router`], one feed per worker: engine-to-ours hash maps,

@@ -184,8 +184,8 @@ mod wire;
 
 pub use decode::{decode_event_batch, parse_seq_frame};
 pub use error::VllmError;
-pub use ingest::{IngestStats, IngestSummary, VllmIngest};
-pub use snapshot::{FeedSnapshot, MirrorSnapshot, MIRROR_SNAPSHOT_VERSION};
+pub use ingest::{FeedSnapshot, IngestStats, IngestSummary, VllmIngest};
+pub use snapshot::{MirrorSnapshot, MIRROR_SNAPSHOT_VERSION};
 pub use wire::{
     BlockRemoved, BlockStored, EngineEvent, EngineHash, EventBatch, KeyValue,
     SGLANG_CACHE_SALT_PREFIX,

@@ -2,11 +2,10 @@
 //! position in each worker's event stream they reflect, so that a restarted router (or a new
 //! replica) restores it and replays each stream from that position to reach the live state.
 
-use kvblock::BlockHash;
 use kvcache::{IndexSnapshot, WorkerId};
 
-use super::ingest::Feed;
-use super::{EngineHash, VllmError, VllmIngest};
+use super::ingest::{Feed, FeedSnapshot};
+use super::{VllmError, VllmIngest};
 use kvroute::Router;
 
 /// The [`MirrorSnapshot`] format this version of the crate writes and reads.
@@ -66,29 +65,6 @@ pub struct MirrorSnapshot {
     pub index: IndexSnapshot,
     /// One entry per worker with a feed, in worker-id order.
     pub feeds: Vec<FeedSnapshot>,
-}
-
-/// One worker's vLLM feed in a [`MirrorSnapshot`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
-#[non_exhaustive]
-pub struct FeedSnapshot {
-    /// The worker.
-    pub worker: WorkerId,
-    /// The next batch sequence number expected from its publisher.
-    pub next_seq: u64,
-    /// The caller's position in the worker's event stream that the snapshot reflects (the
-    /// last batch applied), as given to [`VllmIngest::set_position`].
-    pub position: Option<u64>,
-    /// Whether the KV-cache group the router's index mirrors is known (false before the
-    /// first store).
-    pub group_known: bool,
-    /// That group's index (`None` for an engine that sends none).
-    pub group: Option<u32>,
-    /// That group's engine hash to our hash, sorted by engine hash.
-    pub blocks: Vec<(EngineHash, BlockHash)>,
-    /// Whether the next router event id is skipped (a gap the index has yet to record).
-    pub skip_id: bool,
 }
 
 impl VllmIngest {
