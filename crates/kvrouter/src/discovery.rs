@@ -18,7 +18,7 @@ pub fn follow_events(server: &Arc<Server>, worker: &Arc<Worker>) {
     let (s, w) = (Arc::clone(server), Arc::clone(worker));
     let task = match server.cfg.kv_event_transport {
         EventTransport::Zmq => tokio::spawn(events::follow(s, w)),
-        EventTransport::Nats => tokio::spawn(crate::nats::follow(s, w)),
+        EventTransport::Nats => tokio::spawn(crate::feeds::follow(s, w)),
     };
     if let Ok(mut t) = worker.task.lock() {
         *t = Some(task.abort_handle());

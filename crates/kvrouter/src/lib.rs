@@ -33,6 +33,7 @@
 pub mod config;
 pub mod discovery;
 pub mod events;
+mod feeds;
 pub mod lora;
 pub mod nats;
 pub mod proxy;
@@ -110,7 +111,7 @@ pub async fn serve(
             // The newest snapshot, then each worker's stream from the position it records.
             // An unreadable snapshot costs time, not state: the stream is replayed from its
             // start instead.
-            match nats::load_snapshot(&nats).await {
+            match feeds::load_snapshot(&nats).await {
                 Ok(Some((ids, mirror))) => {
                     if let Err(e) = server.restore(ids, mirror) {
                         eprintln!("kvrouter: snapshot not restored ({e}): replaying the stream from its start");
@@ -124,8 +125,8 @@ pub async fn serve(
         if sync {
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
             let _ = server.deltas.set(tx);
-            tokio::spawn(nats::publish_deltas(Arc::clone(&server), rx));
-            tokio::spawn(nats::apply_deltas(Arc::clone(&server)));
+            tokio::spawn(feeds::publish_deltas(Arc::clone(&server), rx));
+            tokio::spawn(feeds::apply_deltas(Arc::clone(&server)));
         }
     }
     for spec in statics {
@@ -138,12 +139,13 @@ pub async fn serve(
         discovery::follow_events(&server, &w);
     }
     if let (true, Some(nats)) = (on_nats, server.nats.get()) {
-        let took = nats::catch_up(&server, nats)
-            .await
-            .map_err(|message| ServerError::Setting {
-                flag: "--nats-url",
-                message,
-            })?;
+        let took =
+            feeds::catch_up(&server, nats)
+                .await
+                .map_err(|message| ServerError::Setting {
+                    flag: "--nats-url",
+                    message,
+                })?;
         server.counters.catch_up_ms.store(
             took.as_millis() as u64,
             std::sync::atomic::Ordering::Relaxed,
@@ -153,14 +155,14 @@ pub async fn serve(
             took.as_millis()
         );
         if snapshot_every > 0 {
-            tokio::spawn(nats::snapshot_loop(Arc::clone(&server), snapshot_every));
+            tokio::spawn(feeds::snapshot_loop(Arc::clone(&server), snapshot_every));
         }
     }
     if let Some(endpoint) = etcd {
         tokio::spawn(discovery::watch_etcd(Arc::clone(&server), endpoint));
     }
     tokio::spawn(proxy::revive(Arc::clone(&server)));
-    tokio::spawn(lora::watch(Arc::clone(&server)));
+    tokio::spawn(state::watch_adapters(Arc::clone(&server)));
     let addr = listener
         .local_addr()
         .map(|a| a.to_string())

@@ -16,15 +16,11 @@
 //! A model that is neither is hashed as a base model.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, RwLock};
+use std::sync::RwLock;
 use std::time::Duration;
 
-use axum::body::Bytes;
-use http_body_util::{BodyExt, Full};
 use kvroute::Salt;
 use serde_json::Value;
-
-use crate::state::{Server, Worker};
 
 /// How often the workers' `/v1/models` are asked for their adapters.
 pub const LEARN_EVERY: Duration = Duration::from_secs(2);
@@ -109,36 +105,6 @@ pub fn listed(models: &Value) -> impl Iterator<Item = &str> {
         .flatten()
         .filter(|m| m["parent"].is_string())
         .filter_map(|m| m["id"].as_str())
-}
-
-/// A worker's `/v1/models` answer (within 2 s), if it gives one.
-pub(crate) async fn worker_models(server: &Server, w: &Worker) -> Option<Value> {
-    let req = hyper::Request::get(format!("{}/v1/models", w.spec.url))
-        .body(Full::new(Bytes::new()))
-        .ok()?;
-    let resp = tokio::time::timeout(Duration::from_secs(2), server.client.request(req))
-        .await
-        .ok()?
-        .ok()?;
-    if !resp.status().is_success() {
-        return None;
-    }
-    let body = resp.into_body().collect().await.ok()?.to_bytes();
-    serde_json::from_slice(&body).ok()
-}
-
-/// Learns the workers' adapters now and every [`LEARN_EVERY`].
-pub async fn watch(server: Arc<Server>) {
-    loop {
-        let mut answers = Vec::new();
-        for w in &server.workers() {
-            answers.push((w.spec.name.clone(), worker_models(&server, w).await));
-        }
-        server
-            .lora
-            .learn(answers.iter().map(|(n, a)| (n.as_str(), a.as_ref())));
-        tokio::time::sleep(LEARN_EVERY).await;
-    }
 }
 
 #[cfg(test)]

@@ -428,7 +428,7 @@ async fn models(State(server): State<Arc<Server>>) -> Response {
     for w in &server.workers() {
         answers.push((
             w.spec.name.clone(),
-            crate::lora::worker_models(&server, w).await,
+            crate::state::worker_models(&server, w).await,
         ));
     }
     server

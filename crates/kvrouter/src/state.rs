@@ -5,9 +5,10 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
+use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::Full;
+use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
@@ -15,6 +16,7 @@ use kvblock::BlockSize;
 use kvroute::{LoadDelta, Router, WorkerId};
 use kvroute_vllm::VllmIngest;
 use kvserve::tokenize::{self, ChatTemplate, Codec};
+use serde_json::Value;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::config::{Config, WorkerSpec};
@@ -490,4 +492,35 @@ fn first_request_id() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(1, |d| (d.as_nanos() as u64).max(1))
+}
+
+/// A worker's `/v1/models` answer (within 2 s), if it gives one.
+pub(crate) async fn worker_models(server: &Server, w: &Worker) -> Option<Value> {
+    let req = hyper::Request::get(format!("{}/v1/models", w.spec.url))
+        .body(Full::new(Bytes::new()))
+        .ok()?;
+    let resp = tokio::time::timeout(Duration::from_secs(2), server.client.request(req))
+        .await
+        .ok()?
+        .ok()?;
+    if !resp.status().is_success() {
+        return None;
+    }
+    let body = resp.into_body().collect().await.ok()?.to_bytes();
+    serde_json::from_slice(&body).ok()
+}
+
+/// Learns the workers' LoRA adapters ([`crate::lora`]) now and every
+/// [`LEARN_EVERY`](crate::lora::LEARN_EVERY).
+pub async fn watch_adapters(server: Arc<Server>) {
+    loop {
+        let mut answers = Vec::new();
+        for w in &server.workers() {
+            answers.push((w.spec.name.clone(), worker_models(&server, w).await));
+        }
+        server
+            .lora
+            .learn(answers.iter().map(|(n, a)| (n.as_str(), a.as_ref())));
+        tokio::time::sleep(crate::lora::LEARN_EVERY).await;
+    }
 }

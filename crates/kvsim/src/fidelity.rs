@@ -15,7 +15,7 @@ use serde::Serialize;
 
 use crate::config::{SimConfig, TraceTiming};
 use crate::error::Error;
-use crate::requests::MeasuredRequest;
+use crate::records::MeasuredRequest;
 use crate::sim::Simulation;
 use crate::stats::nearest_rank;
 use crate::timing::LinearTiming;

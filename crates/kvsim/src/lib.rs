@@ -53,6 +53,7 @@ mod engine;
 mod error;
 mod fidelity;
 mod fleet;
+mod records;
 mod report;
 mod requests;
 mod rng;
@@ -76,13 +77,12 @@ pub use fidelity::{
     PhaseFigures, SpanFit, SpanFitOptions,
 };
 pub use kvroute::{CostModel, Policy};
+pub use records::MeasuredRequest;
 pub use report::{
     InstanceReport, PdReport, PoolReport, Report, TierReport, TurnReport, TurnsReport,
     HOT_SPOT_THRESHOLD,
 };
-pub use requests::{
-    measured_report, workload_requests, MeasuredRequest, PromptContent, WorkloadRequest,
-};
+pub use requests::{measured_report, workload_requests, PromptContent, WorkloadRequest};
 pub use sim::Simulation;
 pub use slo::{Slo, SloReport};
 pub use spans::{load_measured, parse_measured, record_line, LLM_REQUEST_SPAN};

@@ -9,65 +9,13 @@ use kvroute::Policy;
 use crate::config::SimConfig;
 use crate::engine::KvAllocation;
 use crate::engine::Pool;
+use crate::records::{Records, RequestRecord};
 use crate::slo::SloReport;
 use crate::stats::{ratio, Summary};
 
 /// Load balance (max over mean requests per instance) above which the report warns of
 /// hot-spotting.
 pub const HOT_SPOT_THRESHOLD: f64 = 1.5;
-
-/// What the simulator hands the report about one request.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct RequestRecord {
-    pub(crate) arrival: u64,
-    pub(crate) input: usize,
-    pub(crate) output: usize,
-    pub(crate) prompt_blocks: usize,
-    /// The engine that prefills it (unified or prefill pool).
-    pub(crate) engine: usize,
-    /// Leading prompt blocks resident on `engine` when it was scheduled (engine truth).
-    pub(crate) hits: usize,
-    /// The decode engine, when disaggregated.
-    pub(crate) decode_engine: Option<usize>,
-    /// Leading prompt blocks already on the decode engine when the transfer started.
-    pub(crate) decode_hits: usize,
-    /// Blocks after `hits` loaded from the engine's host tier.
-    pub(crate) host_hits: usize,
-    /// When the prefill engine scheduled it.
-    pub(crate) scheduled: u64,
-    pub(crate) transfer_us: u64,
-    pub(crate) first_token: u64,
-    pub(crate) finish: u64,
-    pub(crate) rejected: bool,
-    /// Its turn in its session, from 1 (1 in an open-loop run).
-    pub(crate) turn: u32,
-    /// Times its engine preempted it.
-    pub(crate) preemptions: u32,
-}
-
-/// What the simulator hands the report about one engine.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct EngineRecord {
-    pub(crate) pool: Pool,
-    pub(crate) evictions: u64,
-    pub(crate) resident_blocks: usize,
-    /// Blocks its host tier holds at the end.
-    pub(crate) host_blocks: usize,
-    pub(crate) busy_us: u64,
-    pub(crate) preemptions: u64,
-    pub(crate) recomputed_tokens: u64,
-}
-
-/// Everything a finished run hands the report.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Records {
-    pub(crate) requests: Vec<RequestRecord>,
-    pub(crate) engines: Vec<EngineRecord>,
-    /// (step duration, tokens it produced for decoding requests): ITL samples by weight.
-    pub(crate) itl: Vec<(u64, u64)>,
-    pub(crate) router_errors: u64,
-    pub(crate) inconsistent_inserts: u64,
-}
 
 fn policy_name<S: serde::Serializer>(p: &Policy, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(p.name())

@@ -9,7 +9,8 @@
 use kvblock::BlockHash;
 
 use crate::config::{Popularity, SimConfig};
-use crate::report::{EngineRecord, Records, Report, RequestRecord};
+use crate::records::{EngineRecord, MeasuredRequest, Records, RequestRecord};
+use crate::report::Report;
 use crate::rng::{SimRng, Zipf};
 use crate::workload::{Arrivals, Workload};
 use crate::Pool;
@@ -132,83 +133,6 @@ fn synthetic_with_tokens(cfg: &SimConfig) -> Vec<WorkloadRequest> {
             }
         })
         .collect()
-}
-
-/// What a load generator measured about one request, in microseconds from the start of its
-/// run (the same clock as [`WorkloadRequest::arrival_us`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub struct MeasuredRequest {
-    /// When it was sent.
-    pub arrival_us: u64,
-    /// Prompt tokens.
-    pub input_len: usize,
-    /// Output tokens received.
-    pub output_len: usize,
-    /// Prompt tokens the endpoint reported cached.
-    pub cached_tokens: usize,
-    /// When its first output token arrived.
-    pub first_token_us: u64,
-    /// When its last output token arrived.
-    pub finish_us: u64,
-    /// It failed (an error status, a broken stream, a timeout): counted as rejected.
-    pub failed: bool,
-    /// The instance that served it, when known (a simulation's requests).
-    pub instance: Option<usize>,
-    /// Times it was preempted, when known (a simulation's requests).
-    pub preemptions: Option<u32>,
-}
-
-impl MeasuredRequest {
-    /// A completed request.
-    pub fn new(
-        arrival_us: u64,
-        input_len: usize,
-        output_len: usize,
-        cached_tokens: usize,
-        first_token_us: u64,
-        finish_us: u64,
-    ) -> Self {
-        MeasuredRequest {
-            arrival_us,
-            input_len,
-            output_len,
-            cached_tokens,
-            first_token_us,
-            finish_us,
-            failed: false,
-            instance: None,
-            preemptions: None,
-        }
-    }
-
-    /// Time to first token, µs.
-    pub fn ttft_us(&self) -> u64 {
-        self.first_token_us.saturating_sub(self.arrival_us)
-    }
-
-    /// End-to-end latency, µs.
-    pub fn e2e_us(&self) -> u64 {
-        self.finish_us.saturating_sub(self.arrival_us)
-    }
-
-    /// Mean inter-token latency, µs: the time from the first token to the last over the gaps
-    /// between them; `None` for a failed request or fewer than two output tokens.
-    pub fn mean_itl_us(&self) -> Option<f64> {
-        (!self.failed && self.output_len > 1).then(|| {
-            self.finish_us.saturating_sub(self.first_token_us) as f64 / (self.output_len - 1) as f64
-        })
-    }
-
-    /// A request that failed after being sent at `arrival_us`.
-    pub fn failed(arrival_us: u64, input_len: usize) -> Self {
-        MeasuredRequest {
-            arrival_us,
-            input_len,
-            failed: true,
-            ..MeasuredRequest::default()
-        }
-    }
 }
 
 /// The simulator's [`Report`] over measured requests of one endpoint (seen as one instance):

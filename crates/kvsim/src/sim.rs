@@ -11,8 +11,8 @@ use crate::config::{PdLink, SimConfig};
 use crate::engine::{EngineRequest, Outcome, Pool};
 use crate::error::Error;
 use crate::fleet::{Fleet, Routers};
-use crate::report::{EngineRecord, Records, Report, RequestRecord};
-use crate::requests::MeasuredRequest;
+use crate::records::{EngineRecord, MeasuredRequest, Records, RequestRecord};
+use crate::report::Report;
 use crate::timing::{TimingKind, TimingModel};
 use crate::workload::{closed_plan, RequestSpec, Turn, Workload};
 

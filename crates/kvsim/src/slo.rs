@@ -3,7 +3,7 @@
 use serde::Serialize;
 
 use crate::error::Error;
-use crate::report::RequestRecord;
+use crate::records::RequestRecord;
 use crate::stats::ratio;
 
 /// Latency targets a request must meet (`--slo-ttft-ms`, `--slo-itl-ms`, `--slo-e2e-ms`);

@@ -10,7 +10,7 @@ use std::path::Path;
 use serde_json::{Map, Value};
 
 use crate::error::{Error, TraceError};
-use crate::requests::MeasuredRequest;
+use crate::records::MeasuredRequest;
 
 /// The span name vLLM gives a request (`SpanAttributes` in `vllm/tracing.py`).
 pub const LLM_REQUEST_SPAN: &str = "llm_request";

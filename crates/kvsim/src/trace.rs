@@ -207,7 +207,7 @@ impl Trace {
     /// ```
     pub fn from_measured(
         name: &str,
-        requests: &[crate::MeasuredRequest],
+        requests: &[crate::records::MeasuredRequest],
         shared_prefix_tokens: usize,
         block_size: BlockSize,
     ) -> Self {
