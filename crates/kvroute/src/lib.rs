@@ -58,9 +58,9 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
+mod cost;
 mod groups;
 mod inflight;
-mod model;
 mod replicas;
 mod ring;
 mod router;
@@ -72,11 +72,11 @@ use std::str::FromStr;
 /// between runs.
 pub(crate) type Map<K, V> = hashbrown::HashMap<K, V, kvcache::FixedState>;
 
+pub use cost::{cost, prefill_aware_cost, BusyThreshold, CostModel, TierCredits};
 pub use groups::{CacheGroup, GroupRule};
 pub use kvblock::{BlockHash, BlockSize};
 pub use kvblock::{ExtraKeys, MultimodalSpan};
 pub use kvcache::{KvEvent, Tier, WorkerId};
-pub use model::{prefill_aware_cost, BusyThreshold, CostModel, TierCredits};
 pub use replicas::{LoadChange, LoadDelta};
 pub use router::{Candidate, Decision, Router, RouterBuilder};
 
@@ -163,27 +163,6 @@ impl Salt {
             .with_lora_name(&self.lora_name)
             .with_namespace(&self.namespace)
     }
-}
-
-/// The routing cost of a worker: `overlap_weight * (request_blocks - cache_hits) + active_blocks`.
-///
-/// Lower is better. `request_blocks - cache_hits` is what the worker would have to prefill from
-/// scratch; `active_blocks` is its in-flight load. A weight of 0 is pure load balance; a large
-/// weight is pure locality. `cache_hits` above `request_blocks` counts as a full hit.
-///
-/// ```
-/// // The source document's worked example: W0 (8 hits, 6 active) beats W1 (0 hits, 1 active).
-/// assert_eq!(kvroute::cost(1.0, 10, 8, 6), 8.0);
-/// assert_eq!(kvroute::cost(1.0, 10, 0, 1), 11.0);
-/// ```
-#[inline]
-pub fn cost(
-    overlap_weight: f64,
-    request_blocks: usize,
-    cache_hits: usize,
-    active_blocks: usize,
-) -> f64 {
-    overlap_weight * request_blocks.saturating_sub(cache_hits) as f64 + active_blocks as f64
 }
 
 /// How the router picks a worker.

@@ -8,9 +8,9 @@ use kvcache::{Applied, CacheIndex, IndexSnapshot, KvEvent, Overlaps, Tier, Worke
 use rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 
+use crate::cost::{sample_softmax, score};
 use crate::groups::Groups;
 use crate::inflight::InFlightBlocks;
-use crate::model::sample_softmax;
 use crate::ring::Ring;
 use crate::{
     cost, prefill_aware_cost, BusyThreshold, CacheGroup, CostModel, Error, LoadChange, LoadDelta,
@@ -1577,20 +1577,6 @@ impl Router {
 }
 
 /// A worker's cost under `model`, from its load (active, pending prefill, decode blocks).
-#[inline]
-fn score(
-    model: CostModel,
-    weight: f64,
-    n: usize,
-    hits: usize,
-    (active, pending, decode): (usize, usize, usize),
-) -> f64 {
-    match model {
-        CostModel::Seed => cost(weight, n, hits, active),
-        CostModel::PrefillAware => prefill_aware_cost(weight, n, hits, pending, decode),
-    }
-}
-
 /// The position of the lowest of `values`, ties broken uniformly with `rng` (reservoir
 /// sampling: each tied position ends up chosen with probability 1/ties).
 #[inline]
