@@ -262,6 +262,42 @@ pub(crate) fn sample_softmax(costs: &mut [f64], t: f64, u: f64) -> Option<usize>
     Some(costs.len() - 1)
 }
 
+/// The routing cost of a worker: `overlap_weight * (request_blocks - cache_hits) + active_blocks`.
+///
+/// Lower is better. `request_blocks - cache_hits` is what the worker would have to prefill from
+/// scratch; `active_blocks` is its in-flight load. A weight of 0 is pure load balance; a large
+/// weight is pure locality. `cache_hits` above `request_blocks` counts as a full hit.
+///
+/// ```
+/// // The source document's worked example: W0 (8 hits, 6 active) beats W1 (0 hits, 1 active).
+/// assert_eq!(kvroute::cost(1.0, 10, 8, 6), 8.0);
+/// assert_eq!(kvroute::cost(1.0, 10, 0, 1), 11.0);
+/// ```
+#[inline]
+pub fn cost(
+    overlap_weight: f64,
+    request_blocks: usize,
+    cache_hits: usize,
+    active_blocks: usize,
+) -> f64 {
+    overlap_weight * request_blocks.saturating_sub(cache_hits) as f64 + active_blocks as f64
+}
+
+/// A worker's cost under `model`, from its load `(active, pending prefill, decode)` blocks.
+#[inline]
+pub(crate) fn score(
+    model: CostModel,
+    weight: f64,
+    n: usize,
+    hits: usize,
+    (active, pending, decode): (usize, usize, usize),
+) -> f64 {
+    match model {
+        CostModel::Seed => cost(weight, n, hits, active),
+        CostModel::PrefillAware => prefill_aware_cost(weight, n, hits, pending, decode),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -301,41 +337,5 @@ mod tests {
             .decode_fraction(f64::NAN, 1)
             .validate()
             .is_err());
-    }
-}
-
-/// The routing cost of a worker: `overlap_weight * (request_blocks - cache_hits) + active_blocks`.
-///
-/// Lower is better. `request_blocks - cache_hits` is what the worker would have to prefill from
-/// scratch; `active_blocks` is its in-flight load. A weight of 0 is pure load balance; a large
-/// weight is pure locality. `cache_hits` above `request_blocks` counts as a full hit.
-///
-/// ```
-/// // The source document's worked example: W0 (8 hits, 6 active) beats W1 (0 hits, 1 active).
-/// assert_eq!(kvroute::cost(1.0, 10, 8, 6), 8.0);
-/// assert_eq!(kvroute::cost(1.0, 10, 0, 1), 11.0);
-/// ```
-#[inline]
-pub fn cost(
-    overlap_weight: f64,
-    request_blocks: usize,
-    cache_hits: usize,
-    active_blocks: usize,
-) -> f64 {
-    overlap_weight * request_blocks.saturating_sub(cache_hits) as f64 + active_blocks as f64
-}
-
-/// A worker's cost under `model`, from its load `(active, pending prefill, decode)` blocks.
-#[inline]
-pub(crate) fn score(
-    model: CostModel,
-    weight: f64,
-    n: usize,
-    hits: usize,
-    (active, pending, decode): (usize, usize, usize),
-) -> f64 {
-    match model {
-        CostModel::Seed => cost(weight, n, hits, active),
-        CostModel::PrefillAware => prefill_aware_cost(weight, n, hits, pending, decode),
     }
 }
