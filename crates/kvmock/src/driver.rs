@@ -11,7 +11,7 @@ use kvsim::{EngineConfig, LinearTiming};
 use tokio::sync::mpsc as tmpsc;
 
 use crate::clock;
-use crate::core::{Core, Counters, Lora, Note};
+use crate::engine_loop::{Core, Counters, Lora, Note};
 use crate::events::Publisher;
 
 /// What a request's stream receives from the engine.

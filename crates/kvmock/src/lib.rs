@@ -5,7 +5,7 @@
 //! vLLM OpenAI server with prefix caching and KV events on, while its "GPU" is the simulator's
 //! own engine state machine ([`kvsim::Engine`]: continuous batching, chunked prefill, a
 //! `kvcache::BlockCache`, the linear timing model) driven by a clock. The difference from
-//! `kvsim` is only who advances time ([`core::Core`] is the loop without a clock; [`driver`]
+//! `kvsim` is only who advances time ([`engine_loop::Core`] is the loop without a clock; [`driver`]
 //! runs it against the wall clock times `--speedup`).
 //!
 //! - [`server`]: `POST /v1/completions`, `POST /v1/chat/completions` (SSE streaming at the
@@ -23,8 +23,8 @@
 )]
 
 mod clock;
-pub mod core;
 pub mod driver;
+pub mod engine_loop;
 pub mod error;
 pub mod events;
 pub mod load;

@@ -18,8 +18,8 @@ use kvserve::openai::{self, Endpoint, Input, Request};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use crate::core::Lora;
 use crate::driver::{EngineHandle, Progress};
+use crate::engine_loop::Lora;
 use kvserve::tokenize::{self, ChatTemplate, Codec};
 
 /// What the HTTP layer needs to know about the engine and the model.
@@ -288,7 +288,10 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
             "# HELP {name} Histogram of time to first token in seconds (emulated time: arrival at \
              the server to the end of prefill).\n# TYPE {name} histogram"
         );
-        for (le, n) in crate::core::TTFT_BUCKETS_S.iter().zip(&c.ttft_buckets) {
+        for (le, n) in crate::engine_loop::TTFT_BUCKETS_S
+            .iter()
+            .zip(&c.ttft_buckets)
+        {
             let _ = writeln!(s, "{name}_bucket{{{labels},le=\"{le:?}\"}} {n}");
         }
         let _ = writeln!(s, "{name}_bucket{{{labels},le=\"+Inf\"}} {}", c.ttft_count);

@@ -1,5 +1,5 @@
 //! One engine code: a request stream through the simulator (`kvsim::Simulation`), through the
-//! clockless loop of kvmock (`kvmock::core::Core`, fed the simulator's times) and through a live
+//! clockless loop of kvmock (`kvmock::engine_loop::Core`, fed the simulator's times) and through a live
 //! `kvmock` process at `--speedup 10` gives every request the same cached tokens and output length.
 
 mod common;
@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::{completion_body, free_port, Mock};
 use kvblock::BlockSize;
-use kvmock::core::{Core, Note};
+use kvmock::engine_loop::{Core, Note};
 use kvsim::{ArrivalModel, EngineConfig, LinearTiming, PromptContent, SimConfig, Simulation};
 
 fn live_agrees(output_len: usize, rate: f64) {
