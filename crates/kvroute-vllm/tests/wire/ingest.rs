@@ -12,7 +12,7 @@ use proptest::prelude::*;
 
 macro_rules! fx {
     ($name:literal) => {
-        &include_bytes!(concat!("fixtures/", $name, ".msgpack"))[..]
+        &include_bytes!(concat!("../fixtures/", $name, ".msgpack"))[..]
     };
 }
 

@@ -9,7 +9,7 @@ use kvroute_vllm::{decode_event_batch, EngineEvent, EngineHash, KeyValue, VllmIn
 
 macro_rules! fx {
     ($name:literal) => {
-        &include_bytes!(concat!("fixtures/", $name, ".msgpack"))[..]
+        &include_bytes!(concat!("../fixtures/", $name, ".msgpack"))[..]
     };
 }
 
