@@ -16,6 +16,14 @@ use crate::report::Report;
 use crate::timing::{TimingKind, TimingModel};
 use crate::workload::{closed_plan, RequestSpec, Turn, Workload};
 
+mod closed;
+mod skip;
+mod transfer;
+
+use closed::Closed;
+use skip::{Chain, MAX_CHAIN};
+use transfer::Link;
+
 /// A configured simulation. [`run`](Self::run) may be called any number of times and gives the
 /// same report each time.
 ///
@@ -135,9 +143,6 @@ impl Simulation {
     }
 }
 
-/// Quiet steps skipped at most in one go (bounds the lookahead an interruption may waste).
-const MAX_CHAIN: u64 = 4096;
-
 /// ITL durations below this are counted in a dense table, the rest in a sorted map.
 const DENSE_ITL_US: u64 = 1 << 20;
 
@@ -161,56 +166,6 @@ enum Kind {
     LinkDone(usize, u32),
 }
 
-/// One prefill engine's link when transfers share it: the transfers on it, each with the bits
-/// it has left, all served at an equal share of the bandwidth since `last`.
-#[derive(Debug, Default)]
-struct Link {
-    flows: Vec<(usize, f64)>,
-    last: u64,
-    gen: u32,
-}
-
-/// A closed-loop run's plan and state: which turns wait for which, and the concurrency gate.
-struct Closed {
-    turns: Vec<Turn>,
-    /// The next turn of each turn's session.
-    next_turn: Vec<Option<usize>>,
-    /// First turns in plan order, and how many have been made ready.
-    roots: Vec<usize>,
-    next_root: usize,
-    /// Requests in flight at most, and now.
-    limit: Option<usize>,
-    in_flight: usize,
-    /// Ready turns waiting for a slot, first come first served.
-    queue: std::collections::VecDeque<usize>,
-    /// The plan index of each sent request (by request id).
-    turn_of: Vec<usize>,
-}
-
-impl Closed {
-    fn new(cfg: &SimConfig) -> Option<Self> {
-        let turns = closed_plan(cfg)?;
-        let mut next_turn = vec![None; turns.len()];
-        let mut roots = Vec::new();
-        for (j, t) in turns.iter().enumerate() {
-            match t.prev {
-                Some(p) => next_turn[p] = Some(j),
-                None => roots.push(j),
-            }
-        }
-        Some(Closed {
-            turns,
-            next_turn,
-            roots,
-            next_root: 0,
-            limit: cfg.concurrency,
-            in_flight: 0,
-            queue: std::collections::VecDeque::new(),
-            turn_of: Vec::new(),
-        })
-    }
-}
-
 /// A queued event. Same-time events run in the order the step-by-step loop (one `StepDone`
 /// per step) would have pushed them: by the time of that push (`vpush`), then by insertion
 /// order. Without skipped steps `vpush` is the time of the push and the order is plain
@@ -228,30 +183,6 @@ struct Event {
     ahead: bool,
     pos: usize,
     kind: Kind,
-}
-
-impl Event {
-    /// The handled event whose push made this one: a real one, told by the push's insertion
-    /// number, or a skipped step.
-    fn pusher(&self) -> Node {
-        match self.kind {
-            Kind::StepDone(e, _) if self.ahead => Node::Quiet(e, self.pos),
-            _ => Node::Real {
-                seq: self.seq,
-                time: self.vpush,
-                vpush: self.ppush,
-            },
-        }
-    }
-}
-
-/// An event as the step-by-step loop handles it, for ordering same-time pushes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Node {
-    /// A handled event, by the insertion number of a push it made, its time and push time.
-    Real { seq: u64, time: u64, vpush: u64 },
-    /// Skipped step `.1` of engine `.0`'s chain.
-    Quiet(usize, usize),
 }
 
 impl PartialEq for Event {
@@ -283,29 +214,6 @@ struct Req {
     decode_router: usize,
     /// Its prompt blocks while its KV travels to the decode engine.
     in_transit: Vec<BlockHash>,
-}
-
-/// An engine's run of quiet steps, skipped rather than queued one by one: steps that start at
-/// `t0` and end at `ends[0]`, `ends[1]`, ..., followed by the step whose end is queued.
-#[derive(Debug, Default)]
-struct Chain {
-    active: bool,
-    t0: u64,
-    ends: Vec<u64>,
-    /// The insertion number the first step's end would have had, and that push's `ppush`.
-    seq0: u64,
-    ppush0: u64,
-}
-
-impl Chain {
-    /// Start time of skipped step `j` (0-based), which is the end of the one before.
-    fn start(&self, j: usize) -> u64 {
-        if j == 0 {
-            self.t0
-        } else {
-            self.ends[j - 1]
-        }
-    }
 }
 
 /// ITL samples by weight: tokens produced by decoding requests, per step duration.
@@ -431,114 +339,6 @@ impl<'a> Run<'a> {
         self.push_event(ev);
     }
 
-    fn node_vpush(&self, n: Node) -> u64 {
-        match n {
-            Node::Real { vpush, .. } => vpush,
-            Node::Quiet(e, j) => self.chains[e].start(j),
-        }
-    }
-
-    fn node_parent(&self, n: Node) -> Option<Node> {
-        match n {
-            Node::Real { .. } => None,
-            Node::Quiet(e, 0) => {
-                let c = &self.chains[e];
-                Some(Node::Real {
-                    seq: c.seq0,
-                    time: c.t0,
-                    vpush: c.ppush0,
-                })
-            }
-            Node::Quiet(e, j) => Some(Node::Quiet(e, j - 1)),
-        }
-    }
-
-    /// The step-by-step loop's order of two events handled at the same time; `None` when
-    /// what is known cannot tell.
-    fn order(&self, mut a: Node, mut b: Node) -> Option<std::cmp::Ordering> {
-        loop {
-            if a == b {
-                return None;
-            }
-            if let (Node::Real { seq: x, .. }, Node::Real { seq: y, .. }) = (a, b) {
-                return Some(x.cmp(&y));
-            }
-            match self.node_vpush(a).cmp(&self.node_vpush(b)) {
-                std::cmp::Ordering::Equal => {}
-                o => return Some(o),
-            }
-            a = self.node_parent(a)?;
-            b = self.node_parent(b)?;
-        }
-    }
-
-    fn is_stale(&self, ev: &Event) -> bool {
-        matches!(ev.kind, Kind::StepDone(e, g) if g != self.gens[e])
-    }
-
-    /// Queues `ev` (its `seq` already set). Where it shares (time, vpush) with a queued event
-    /// and one of them was pushed ahead, their order is that of the pushes' parents (by
-    /// `ppush`): an ahead `StepDone` that must come later is pushed again; anything else
-    /// marks the run ambiguous.
-    fn push_event(&mut self, ev: Event) {
-        let mut requeue = Vec::new();
-        if self.fast && (ev.ahead || self.ahead_queued > 0) {
-            for o in self.queue.iter() {
-                if o.time != ev.time || o.vpush != ev.vpush || !(o.ahead || ev.ahead) {
-                    continue;
-                }
-                if self.is_stale(o) {
-                    continue;
-                }
-                let Some(want) = self.order(ev.pusher(), o.pusher()) else {
-                    self.ambiguous = true;
-                    continue;
-                };
-                if want == ev.seq.cmp(&o.seq) {
-                    continue; // already in the right order
-                }
-                // `o` must come after `ev`, which has the higher insertion number.
-                match o.kind {
-                    Kind::StepDone(e, _) if o.ahead && want.is_lt() && ev.seq > o.seq => {
-                        requeue.push(e);
-                    }
-                    _ => self.ambiguous = true,
-                }
-            }
-        }
-        if ev.ahead {
-            self.ahead_queued += 1;
-        }
-        self.queue.push(ev);
-        for e in requeue {
-            self.requeue(e);
-        }
-    }
-
-    /// Pushes engine `e`'s queued (ahead) `StepDone` again, with a new insertion number.
-    fn requeue(&mut self, e: usize) {
-        let gen = self.gens[e];
-        let Some(old) = self
-            .queue
-            .iter()
-            .find(|o| matches!(o.kind, Kind::StepDone(x, g) if x == e && g == gen))
-        else {
-            return;
-        };
-        let (time, vpush, ppush, ahead, pos) = (old.time, old.vpush, old.ppush, old.ahead, old.pos);
-        self.gens[e] = gen.wrapping_add(1);
-        self.seq += 1;
-        self.push_event(Event {
-            time,
-            vpush,
-            seq: self.seq,
-            ppush,
-            ahead,
-            pos,
-            kind: Kind::StepDone(e, self.gens[e]),
-        });
-    }
-
     fn schedule_next_arrival(&mut self) {
         self.pending = self.workload.next_request();
         if let Some(r) = &self.pending {
@@ -601,186 +401,12 @@ impl<'a> Run<'a> {
         }
     }
 
-    /// Runs `n` of engine `e`'s skipped quiet steps for real and ends its chain.
-    fn commit(&mut self, e: usize, n: u64) {
-        self.chains[e].active = false;
-        let itl = &mut self.itl;
-        // Quiet steps' durations change slowly: counted run by run.
-        let (mut d, mut w) = (0, 0);
-        self.fleet.engines[e].skip_quiet_steps(n, |step| {
-            if step.duration_us != d {
-                if w > 0 {
-                    itl.add(d, w);
-                }
-                (d, w) = (step.duration_us, 0);
-            }
-            w += step.shape.decode_requests;
-        });
-        if w > 0 {
-            itl.add(d, w);
-        }
-    }
-
-    /// Something is about to be submitted to engine `e` now: the quiet steps the step-by-step
-    /// loop would have finished before this event run for real, and the end of the step then
-    /// in progress is queued in place of the chain's end (the next admission happens there).
-    fn interrupt(&mut self, e: usize) {
-        let chain = &self.chains[e];
-        if !chain.active {
-            return;
-        }
-        let (t, v) = (self.now, self.cur_vpush);
-        // The submitting event is a real one (an arrival or a transfer).
-        let cur = Node::Real {
-            seq: self.cur_seq,
-            time: v,
-            vpush: self.cur_ppush,
-        };
-        let mut m = 0;
-        for j in 0..chain.ends.len() {
-            let (end, start) = (chain.ends[j], chain.start(j));
-            let before = if end != t {
-                end < t
-            } else if start != v {
-                start < v
-            } else {
-                // Step j and the submitting event were pushed at the same time: by whom first.
-                match self
-                    .node_parent(Node::Quiet(e, j))
-                    .and_then(|p| self.order(p, cur))
-                {
-                    Some(o) => o.is_lt(),
-                    None => {
-                        self.ambiguous = true;
-                        false
-                    }
-                }
-            };
-            if !before {
-                break;
-            }
-            m = j + 1;
-        }
-        let chain = &self.chains[e];
-        let l = chain.ends.len();
-        let (t0, seq0, ppush0) = (chain.t0, chain.seq0, chain.ppush0);
-        let (end, vpush, ppush) = if m < l {
-            (
-                chain.ends[m],
-                chain.start(m),
-                if m == 0 { ppush0 } else { chain.start(m - 1) },
-            )
-        } else {
-            (0, 0, 0)
-        };
-        self.commit(e, m as u64);
-        if m == l {
-            return; // the queued end is that of the step now in progress
-        }
-        self.gens[e] = self.gens[e].wrapping_add(1);
-        let kind = Kind::StepDone(e, self.gens[e]);
-        if m == 0 {
-            // Exactly the push the step-by-step loop made at t0.
-            debug_assert_eq!(vpush, t0);
-            self.push_event(Event {
-                time: end,
-                vpush,
-                seq: seq0,
-                ppush,
-                ahead: false,
-                pos: 0,
-                kind,
-            });
-        } else {
-            self.seq += 1;
-            self.push_event(Event {
-                time: end,
-                vpush,
-                seq: self.seq,
-                ppush,
-                ahead: true,
-                pos: m - 1,
-                kind,
-            });
-        }
-    }
-
     fn arrive(&mut self) {
         let Some(spec) = self.pending.take() else {
             return;
         };
         self.send(spec, 1);
         self.schedule_next_arrival();
-    }
-
-    /// Closed loop: makes the next first turn ready at its time.
-    fn schedule_next_root(&mut self) {
-        let Some(c) = &self.closed else { return };
-        if let Some(&j) = c.roots.get(c.next_root) {
-            let t = c.turns[j].spec.arrival_us;
-            self.push(t, Kind::Ready(j));
-        }
-    }
-
-    /// Closed loop: turn `j` may go; it is sent if a slot is free, else queued.
-    fn ready(&mut self, j: usize) {
-        let Some(c) = self.closed.as_mut() else {
-            return;
-        };
-        let root = c.turns[j].prev.is_none();
-        if root {
-            c.next_root += 1;
-        }
-        let free = c.limit.is_none_or(|n| c.in_flight < n);
-        if free {
-            c.in_flight += 1;
-        } else {
-            c.queue.push_back(j);
-        }
-        if root {
-            self.schedule_next_root();
-        }
-        if free {
-            self.send_turn(j);
-        }
-    }
-
-    /// Closed loop: sends turn `j` (its slot is taken).
-    fn send_turn(&mut self, j: usize) {
-        let Some(c) = self.closed.as_mut() else {
-            return;
-        };
-        let t = &mut c.turns[j];
-        let (spec, turn) = (std::mem::replace(&mut t.spec, RequestSpec::empty()), t.turn);
-        c.turn_of.push(j);
-        self.send(spec, turn);
-    }
-
-    /// Closed loop: request `id` is over (finished or rejected): its session's next turn
-    /// becomes ready after its think time, and a queued turn takes the slot.
-    fn request_done(&mut self, id: usize) {
-        let Some(c) = self.closed.as_mut() else {
-            return;
-        };
-        let j = c.turn_of[id];
-        c.in_flight -= 1;
-        let next = c.next_turn[j].map(|k| {
-            let t = &c.turns[k];
-            (
-                k,
-                self.now.saturating_add(t.think_us).max(t.spec.arrival_us),
-            )
-        });
-        let queued = c.queue.pop_front();
-        if queued.is_some() {
-            c.in_flight += 1;
-        }
-        if let Some((k, at)) = next {
-            self.push(at, Kind::Ready(k));
-        }
-        if let Some(q) = queued {
-            self.push(self.now, Kind::Send(q));
-        }
     }
 
     /// Routes a request to an engine and submits it there (or counts it rejected).
@@ -992,121 +618,6 @@ impl<'a> Run<'a> {
             }
         }
         self.outcomes = out;
-    }
-
-    /// Disaggregated: the prefill engine has let go of the request; a decode engine is routed
-    /// with the decode role's weight, and the KV it lacks is sent over.
-    fn hand_over(&mut self, r: usize, blocks: Vec<BlockHash>) {
-        self.release_router(r, Pool::Prefill);
-        let Some(decode) = self.fleet.decode_routers.as_mut() else {
-            return;
-        };
-        let (router, d) = match decode.route(r, &blocks, self.now) {
-            Ok(x) => x,
-            Err(_) => {
-                self.router_errors += 1;
-                return;
-            }
-        };
-        self.share_load(Pool::Decode, router);
-        let bs = self.cfg.block_size.get();
-        let decode_hits = self.fleet.engines[d].cache().match_len(&blocks);
-        let req = &mut self.reqs[r];
-        req.decode_router = router;
-        req.rec.decode_engine = Some(d);
-        req.rec.decode_hits = decode_hits;
-        req.in_transit = blocks;
-        let input = req.rec.input;
-        let sent_tokens = input - (decode_hits * bs).min(input);
-        let bits = sent_tokens as f64 * self.cfg.kv_bytes_per_token as f64 * 8.0;
-        if self.cfg.pd_link == PdLink::Shared && bits > 0.0 {
-            let e = req.rec.engine;
-            req.rec.transfer_us = self.now;
-            self.advance_link(e);
-            self.links[e].flows.push((r, bits));
-            self.schedule_link(e);
-            return;
-        }
-        let transfer = (bits / (self.cfg.pd_transfer_gbps * 1e3)).round() as u64
-            + self.cfg.pd_transfer_latency_us;
-        req.rec.transfer_us = transfer;
-        self.push(self.now.saturating_add(transfer), Kind::TransferDone(r));
-    }
-
-    /// Shared links: serves link `e`'s transfers their equal shares of the time since its
-    /// last change.
-    fn advance_link(&mut self, e: usize) {
-        let link = &mut self.links[e];
-        let k = link.flows.len();
-        if k > 0 {
-            let share = (self.now - link.last) as f64 * self.cfg.pd_transfer_gbps * 1e3 / k as f64;
-            for f in &mut link.flows {
-                f.1 -= share;
-            }
-        }
-        link.last = self.now;
-    }
-
-    /// Shared links: queues the completion of link `e`'s transfer with the fewest bits left,
-    /// at the current shares (replacing any queued one).
-    fn schedule_link(&mut self, e: usize) {
-        let link = &mut self.links[e];
-        link.gen = link.gen.wrapping_add(1);
-        let Some(left) = link.flows.iter().map(|f| f.1).reduce(f64::min) else {
-            return;
-        };
-        let rate = self.cfg.pd_transfer_gbps * 1e3 / link.flows.len() as f64;
-        // Whole microseconds, rounded as a lone transfer's duration is.
-        let dt = (left.max(0.0) / rate).round() as u64;
-        let gen = link.gen;
-        self.push(self.now.saturating_add(dt), Kind::LinkDone(e, gen));
-    }
-
-    /// Shared links: the transfers of link `e` that are through start their fixed latency;
-    /// the rest share the link anew.
-    fn link_done(&mut self, e: usize, gen: u32) {
-        if gen != self.links[e].gen {
-            return;
-        }
-        self.advance_link(e);
-        // Transfers within half a microsecond of their end (at their share) are through.
-        let k = self.links[e].flows.len().max(1);
-        let half_us = 0.5 * self.cfg.pd_transfer_gbps * 1e3 / k as f64;
-        let mut done = Vec::new();
-        self.links[e].flows.retain(|&(r, left)| {
-            if left <= half_us {
-                done.push(r);
-                false
-            } else {
-                true
-            }
-        });
-        for r in done {
-            let arrive = self.now.saturating_add(self.cfg.pd_transfer_latency_us);
-            let rec = &mut self.reqs[r].rec;
-            rec.transfer_us = arrive - rec.transfer_us;
-            self.push(arrive, Kind::TransferDone(r));
-        }
-        self.schedule_link(e);
-    }
-
-    fn transfer_done(&mut self, r: usize) {
-        let req = &mut self.reqs[r];
-        let Some(d) = req.rec.decode_engine else {
-            return;
-        };
-        let blocks = std::mem::take(&mut req.in_transit);
-        let er = EngineRequest::new(r as u64, blocks, req.rec.input, req.rec.output);
-        self.interrupt(d);
-        if self.fleet.engines[d].submit(er) {
-            if !self.fleet.engines[d].is_busy() {
-                self.start_step(d);
-            }
-        } else {
-            self.reqs[r].rec.rejected = true;
-            self.release_router(r, Pool::Decode);
-            self.request_done(r);
-        }
     }
 
     fn flush_events(&mut self, e: usize) {
