@@ -48,6 +48,7 @@ mod hasher;
 mod index;
 mod snapshot;
 mod tier;
+mod workerset;
 
 use std::fmt;
 
