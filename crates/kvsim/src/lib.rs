@@ -51,6 +51,7 @@ mod calibrate;
 mod config;
 mod engine;
 mod error;
+mod fastline;
 mod fidelity;
 mod fleet;
 mod records;
