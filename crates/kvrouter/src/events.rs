@@ -22,10 +22,12 @@ pub async fn follow(server: Arc<Server>, worker: Arc<Worker>) {
     };
     loop {
         let mut sub = subscribe(&endpoint).await;
+        worker.subscribed.store(true, Ordering::Release);
         while let Ok(msg) = sub.recv().await {
             let frames = msg.into_vec();
             on_message(&server, &worker, &frames).await;
         }
+        worker.subscribed.store(false, Ordering::Release);
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }

@@ -483,6 +483,11 @@ async fn workers(State(server): State<Arc<Server>>) -> Response {
                 "position": m.ingest.position(w.id),
                 "active_blocks": m.router.active_blocks(w.id),
                 "stale": m.router.index().is_stale(w.id),
+                // Whether its ZMQ KV-event subscription is up (null: it publishes none, or
+                // its events come through NATS).
+                "subscribed": (w.spec.events.is_some()
+                    && server.cfg.kv_event_transport == crate::config::EventTransport::Zmq)
+                    .then(|| w.subscribed.load(Ordering::Acquire)),
                 "routed": w.routed.load(Ordering::Relaxed),
                 "upstream_errors": w.upstream_errors.load(Ordering::Relaxed),
             })

@@ -49,6 +49,9 @@ pub struct Worker {
     pub upstream_errors: AtomicU64,
     /// Its NATS follower has read its events to the end of the stream once.
     pub caught_up: AtomicBool,
+    /// Its ZMQ KV-event subscription is connected and subscribed (a readiness signal:
+    /// `/v1/admin/workers` shows it).
+    pub subscribed: AtomicBool,
     /// Its KV-event subscription, stopped when the worker is removed.
     pub(crate) task: Mutex<Option<tokio::task::AbortHandle>>,
 }
@@ -335,6 +338,7 @@ impl Server {
             routed: AtomicU64::new(0),
             upstream_errors: AtomicU64::new(0),
             caught_up: AtomicBool::new(false),
+            subscribed: AtomicBool::new(false),
             task: Mutex::new(None),
         });
         list.push(Arc::clone(&w));

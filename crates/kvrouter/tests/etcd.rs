@@ -62,12 +62,8 @@ fn names(server: &Kvrouter) -> Vec<String> {
         .collect()
 }
 
-fn wait_for(what: &str, secs: u64, mut ok: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !ok() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+fn wait_for(what: &str, secs: u64, ok: impl FnMut() -> bool) {
+    common::eventually(what, Duration::from_secs(secs), ok);
 }
 
 #[test]

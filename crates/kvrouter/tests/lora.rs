@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{Engine, Kvrouter};
 use kvtest::net::free_port;
@@ -30,11 +30,9 @@ fn a_lora_request_hashes_with_the_adapter_name_and_hits_its_own_blocks() {
     ];
     let server = Kvrouter::start(&[&engines[0], &engines[1]], &[]);
     // The adapter is learned from the engines' /v1/models.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while server.get_json("/v1/admin/workers")["lora_adapters"] != serde_json::json!(["my-lora"]) {
-        assert!(Instant::now() < deadline, "my-lora was never learned");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    common::eventually("my-lora is learned", Duration::from_secs(10), || {
+        server.get_json("/v1/admin/workers")["lora_adapters"] == serde_json::json!(["my-lora"])
+    });
     let models = server.get_json("/v1/models");
     let ids: Vec<&str> = models["data"]
         .as_array()
@@ -45,14 +43,11 @@ fn a_lora_request_hashes_with_the_adapter_name_and_hits_its_own_blocks() {
     assert_eq!(ids, ["mock", "my-lora"], "{models}");
     let blocks = || -> u64 { engines.iter().map(|e| server.block_count(&e.name())).sum() };
     let wait_blocks = |n: u64| {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while blocks() < n {
-            assert!(
-                Instant::now() < deadline,
-                "the mirrors never held {n} blocks"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        common::eventually(
+            &format!("the mirrors hold {n} blocks"),
+            Duration::from_secs(10),
+            || blocks() >= n,
+        );
     };
 
     let prompt: Vec<u32> = (0..64).collect();

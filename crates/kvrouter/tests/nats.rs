@@ -67,11 +67,9 @@ impl Nats {
 }
 
 fn wait_port(port: u16, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "{what} never listened");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    common::eventually(&format!("{what} listens"), Duration::from_secs(20), || {
+        TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
 }
 
 fn relay(engine: &Engine, nats: &Nats) -> Proc {
@@ -213,12 +211,8 @@ fn active_blocks(k: &Kvrouter) -> u64 {
         .sum()
 }
 
-fn wait_until(what: &str, mut ok: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !ok() {
-        assert!(Instant::now() < deadline, "never: {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+fn wait_until(what: &str, ok: impl FnMut() -> bool) {
+    common::eventually(what, Duration::from_secs(10), ok);
 }
 
 #[test]

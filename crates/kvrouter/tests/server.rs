@@ -179,11 +179,9 @@ fn a_worker_that_goes_away_is_skipped_and_its_requests_go_elsewhere() {
     // The engine comes back on the same ports: it is routed to again, and its new events
     // (a restarted publisher) reach the router.
     let a = Engine::start_at(a.port, a.events, a.replay);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while server.get_json("/v1/admin/workers")["workers"][0]["state"] != "up" {
-        assert!(Instant::now() < deadline, "the engine never came back");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    common::eventually("the engine is back up", Duration::from_secs(10), || {
+        server.get_json("/v1/admin/workers")["workers"][0]["state"] == "up"
+    });
     for _ in 0..2 {
         let (status, body) = server.post("/v1/completions", &completion(&prompt, false));
         assert_eq!(status, 200, "{body}");
@@ -354,14 +352,11 @@ fn trusted_tail_first_evictions_keep_the_router_exact() {
         );
         predicted = hits;
         // Before the next request, the mirror catches up with the engine.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while server.block_count(&engine.name()) != engine_blocks(&engine) {
-            assert!(
-                Instant::now() < deadline,
-                "request {k}: the mirror never caught up"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        common::eventually(
+            &format!("the mirror catches up after request {k}"),
+            Duration::from_secs(10),
+            || server.block_count(&engine.name()) == engine_blocks(&engine),
+        );
         resident.push(engine_blocks(&engine));
     }
     // Full from the third request on: every later one evicted as many blocks as it stored.
@@ -384,11 +379,9 @@ fn an_engine_killed_mid_stream_ends_the_response_and_releases_the_load() {
     let sport = server.port;
     let client = std::thread::spawn(move || http(sport, "POST", "/v1/completions", Some(&body)));
     // Wait until the stream is under way, then kill the engine.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while server.get_json("/v1/admin/workers")["workers"][0]["in_flight"] != 1 {
-        assert!(Instant::now() < deadline, "the request never started");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    common::eventually("the request is in flight", Duration::from_secs(10), || {
+        server.get_json("/v1/admin/workers")["workers"][0]["in_flight"] == 1
+    });
     std::thread::sleep(Duration::from_millis(300));
     let _ = a.proc.0.kill();
     let _ = a.proc.0.wait();

@@ -93,3 +93,34 @@ pub fn sse_events(body: &str) -> Vec<serde_json::Value> {
         .map(|d| serde_json::from_str(d).unwrap())
         .collect()
 }
+
+/// A child process killed (and reaped) when dropped: every test's one process guard.
+#[derive(Debug)]
+pub struct Proc(pub std::process::Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Polls `ready` every 10 ms until it holds, for at most `limit`; panics naming `what` when it
+/// never does. Tests wait on a readiness signal with it, never on a fixed sleep.
+///
+/// ```
+/// let start = std::time::Instant::now();
+/// kvtest::net::eventually("a millisecond passes", std::time::Duration::from_secs(1), || {
+///     start.elapsed().as_millis() >= 1
+/// });
+/// ```
+pub fn eventually(what: &str, limit: Duration, mut ready: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + limit;
+    while !ready() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out after {limit:?} waiting until {what}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}

@@ -3,17 +3,17 @@
 
 #![allow(dead_code)]
 
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use bytes::Bytes;
 #[allow(unused_imports)]
-pub use kvtest::net::{free_port, http, sse_events, try_http};
+pub use kvtest::net::{eventually, free_port, http, sse_events, try_http, Proc};
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 /// A running `kvmock`; killed when dropped.
 pub struct Mock {
-    child: Child,
+    child: Proc,
     /// Its HTTP port.
     pub port: u16,
 }
@@ -28,18 +28,17 @@ impl Mock {
             .stderr(Stdio::null())
             .spawn()
             .expect("kvmock starts");
-        let mut m = Mock { child, port };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Ok(Some(status)) = m.child.try_wait() {
+        let mut m = Mock {
+            child: Proc(child),
+            port,
+        };
+        eventually("kvmock is healthy", Duration::from_secs(20), || {
+            if let Ok(Some(status)) = m.child.0.try_wait() {
                 panic!("kvmock exited early: {status}");
             }
-            if let Ok((200, _)) = try_http(port, "GET", "/health", None) {
-                return m;
-            }
-            assert!(Instant::now() < deadline, "kvmock did not become healthy");
-            std::thread::sleep(Duration::from_millis(20));
-        }
+            matches!(try_http(port, "GET", "/health", None), Ok((200, _)))
+        });
+        m
     }
 
     /// POSTs JSON, returns (status, body).
@@ -64,14 +63,8 @@ impl Mock {
 
     /// Kills the process now.
     pub fn stop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Mock {
-    fn drop(&mut self) {
-        self.stop();
+        let _ = self.child.0.kill();
+        let _ = self.child.0.wait();
     }
 }
 

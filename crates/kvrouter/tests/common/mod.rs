@@ -4,20 +4,11 @@
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+pub use kvtest::net::{eventually, Proc};
 use kvtest::net::{free_port, http, try_http};
 use serde_json::Value;
-
-/// A child process killed when dropped.
-pub struct Proc(pub Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// The `kvmock` binary beside this test's (built by `cargo test --workspace`), else built now.
 pub fn kvmock_bin() -> PathBuf {
@@ -35,17 +26,16 @@ pub fn kvmock_bin() -> PathBuf {
 }
 
 pub fn wait_healthy(port: u16, child: &mut Child, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Ok(Some(status)) = child.try_wait() {
-            panic!("{what} exited early: {status}");
-        }
-        if let Ok((200, _)) = try_http(port, "GET", "/health", None) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "{what} did not become healthy");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    eventually(
+        &format!("{what} is healthy"),
+        Duration::from_secs(30),
+        || {
+            if let Ok(Some(status)) = child.try_wait() {
+                panic!("{what} exited early: {status}");
+            }
+            matches!(try_http(port, "GET", "/health", None), Ok((200, _)))
+        },
+    );
 }
 
 pub struct Engine {
@@ -113,9 +103,25 @@ impl Kvrouter {
     pub fn start(engines: &[&Engine], extra: &[&str]) -> Kvrouter {
         let workers: Vec<String> = engines.iter().map(|e| e.spec()).collect();
         let k = Kvrouter::start_at(free_port(), &workers, extra);
-        // Let the subscriptions reach the publishers (ZMQ's slow joiner).
-        std::thread::sleep(Duration::from_millis(500));
+        k.wait_subscribed();
         k
+    }
+
+    /// Waits until every worker whose ZMQ events the router follows shows `subscribed`
+    /// (what `/v1/admin/workers` reports once the SUB socket is connected and subscribed).
+    pub fn wait_subscribed(&self) {
+        eventually(
+            "every worker's events are subscribed",
+            Duration::from_secs(20),
+            || {
+                let v = self.get_json("/v1/admin/workers");
+                v["workers"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .all(|w| w["subscribed"].as_bool() != Some(false))
+            },
+        );
     }
 
     /// A server on `port` with these `--worker` values and flags, once it answers.
@@ -165,14 +171,11 @@ impl Kvrouter {
 
     /// Waits (at most 10 s) until the router's view of `worker` holds at least `n` blocks.
     pub fn wait_blocks(&self, worker: &str, n: u64) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while self.block_count(worker) < n {
-            assert!(
-                Instant::now() < deadline,
-                "{worker} never showed {n} blocks"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        eventually(
+            &format!("{worker} shows {n} blocks"),
+            Duration::from_secs(10),
+            || self.block_count(worker) >= n,
+        );
     }
 
     /// The worker that has served exactly one request (the first routed one).
