@@ -143,9 +143,13 @@ struct ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = json!({"error": {"message": self.message, "type": self.kind, "param": null,
-                                    "code": self.status.as_u16()}});
-        (self.status, json_body(&body)).into_response()
+        let body = openai::error_body(self.status.as_u16(), self.kind, &self.message);
+        (
+            self.status,
+            [(header::CONTENT_TYPE, "application/json")],
+            body,
+        )
+            .into_response()
     }
 }
 

@@ -38,14 +38,8 @@ pub fn app(server: Arc<Server>) -> axum::Router {
 
 /// An OpenAI-shaped error.
 fn error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
-    let body = json!({"error": {"message": message.into(), "type": kind, "param": null,
-                               "code": status.as_u16()}});
-    (
-        status,
-        [(header::CONTENT_TYPE, "application/json")],
-        body.to_string(),
-    )
-        .into_response()
+    let body = openai::error_body(status.as_u16(), kind, &message.into());
+    (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
 }
 
 async fn not_found(uri: axum::http::Uri) -> Response {

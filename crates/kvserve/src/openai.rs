@@ -442,6 +442,21 @@ impl Request {
     }
 }
 
+/// OpenAI's error object as JSON text, with vLLM's type names (`BadRequestError`,
+/// `NotFoundError`, ...): `{"error": {"message", "type", "param": null, "code"}}`. The one
+/// error body the router server and the engine emulator answer with.
+///
+/// ```
+/// let body = kvserve::openai::error_body(400, "BadRequestError", "stream: expected a boolean");
+/// let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+/// assert_eq!(v["error"]["code"], 400);
+/// assert_eq!(v["error"]["type"], "BadRequestError");
+/// ```
+pub fn error_body(code: u16, kind: &str, message: &str) -> String {
+    serde_json::json!({"error": {"message": message, "type": kind, "param": null, "code": code}})
+        .to_string()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
