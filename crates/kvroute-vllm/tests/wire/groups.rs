@@ -12,6 +12,8 @@ use kvroute_vllm::{
 };
 use proptest::prelude::*;
 
+use super::support::{router, toks, W0, W1};
+
 /// A checked-in fixture of `fixtures/make_vllm_fixtures.py`.
 fn fx(name: &str) -> Vec<u8> {
     let path = format!(
@@ -22,24 +24,7 @@ fn fx(name: &str) -> Vec<u8> {
 }
 
 const SHAPES: [&str; 2] = ["map", "positional"];
-const W0: WorkerId = WorkerId::new(0);
-const W1: WorkerId = WorkerId::new(1);
 const BS: usize = 16;
-
-fn router() -> Router {
-    let mut r = Router::builder()
-        .block_size(BlockSize::new(BS).unwrap())
-        .seed(1)
-        .build()
-        .unwrap();
-    r.add_worker(W0);
-    r.add_worker(W1);
-    r
-}
-
-fn toks(start: u32, n: u32) -> Vec<u32> {
-    (start..start + n).collect()
-}
 
 /// The hits each worker would get for `tokens`, without routing.
 fn hits(router: &Router, tokens: &[u32]) -> BTreeMap<WorkerId, usize> {

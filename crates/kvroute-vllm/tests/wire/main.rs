@@ -7,4 +7,5 @@ mod ingest;
 mod ranks;
 mod sglang;
 mod snapshot;
+mod support;
 mod tiers;
