@@ -15,7 +15,7 @@
 //! | `GET /health` | `ok` |
 //! | `GET /metrics` | Prometheus text: requests routed per worker, request and hit blocks, events applied, gaps, replays, stale workers, cache views, route latency, upstream errors |
 //! | `GET /v1/admin/cache-view/{worker}` | `{"worker_id": "host:port", "block_count": n}` |
-//! | `GET /v1/admin/workers` | every worker's cache view, load, staleness and state |
+//! | `GET /v1/admin/workers` | every worker's cache view, load, staleness, state and whether its ZMQ event subscription is up (`subscribed`) |
 //!
 //! Errors are OpenAI's error objects: 400 for a malformed body or a text prompt without a
 //! tokenizer, 413 for a body over `--max-body-bytes`, 503 when no worker is available.
