@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use kvblock::BlockSize;
 use kvsim::{
-    ArrivalModel, CostModel, KvAllocation, LinearTiming, PdLink, Policy, Popularity, SimConfig,
-    Slo, TimingKind, Trace, TraceTiming, VllmLog,
+    CostModel, KvAllocation, LinearTiming, PdLink, Policy, SimConfig, Slo, TimingKind, Trace,
+    VllmLog,
 };
 
 /// Simulate a fleet of LLM engine replicas behind a KV-cache-aware router.
@@ -43,7 +43,7 @@ pub(crate) enum Cmd {
         /// The trace (Mooncake JSONL).
         file: PathBuf,
         /// Tokens per block of the trace's hash ids.
-        #[arg(long, default_value_t = Trace::MOONCAKE_BLOCK_SIZE, value_parser = parse_block_size, value_name = "TOKENS")]
+        #[arg(long, default_value_t = Trace::MOONCAKE_BLOCK_SIZE, value_parser = kvsim::cli::parse_block_size, value_name = "TOKENS")]
         trace_block_size: usize,
         /// Output format: text or json.
         #[arg(long, default_value = "text", value_parser = ["text", "json"], value_name = "FORMAT")]
@@ -170,37 +170,9 @@ pub(crate) struct SweepArgs {
 /// value, which `--help` shows (see [`command`]).
 #[derive(Debug, Clone, Default, Args)]
 pub(crate) struct RunArgs {
-    /// Arrival rate, requests per second.
-    #[arg(long, value_name = "R", help_heading = "Arrivals")]
-    request_rate: Option<f64>,
-    /// Arrival process: poisson, constant or gamma.
-    #[arg(long, value_parser = parse_arrival, value_name = "MODEL", help_heading = "Arrivals")]
-    arrival_model: Option<ArrivalModel>,
-    /// Coefficient of variation of gamma inter-arrival times (1 = Poisson, higher = burstier).
-    #[arg(long, value_name = "CV", help_heading = "Arrivals")]
-    arrival_cv: Option<f64>,
-    /// Requests to simulate (a trace: at most its length).
-    #[arg(long, value_name = "N", help_heading = "Arrivals")]
-    des_num_requests: Option<usize>,
-    /// Seed of every random choice.
-    #[arg(long, value_name = "S", help_heading = "Arrivals")]
-    seed: Option<u64>,
-
-    /// Prefixes in the synthetic pool.
-    #[arg(long, value_name = "P", help_heading = "Synthetic content")]
-    des_num_prefixes: Option<usize>,
-    /// Tokens per prefix.
-    #[arg(long, value_name = "L", help_heading = "Synthetic content")]
-    des_prefix_len: Option<usize>,
-    /// How requests pick a prefix: uniform, or zipf:S (exponent S > 0) for a few hot prefixes.
-    #[arg(long, value_parser = parse_popularity, value_name = "DIST", help_heading = "Synthetic content")]
-    prefix_popularity: Option<Popularity>,
-    /// Prompt tokens per request, prefix included (a unique suffix fills the rest).
-    #[arg(long, value_name = "TOKENS", help_heading = "Synthetic content")]
-    input_len: Option<usize>,
-    /// Output tokens per request.
-    #[arg(long, value_name = "TOKENS", help_heading = "Synthetic content")]
-    output_len: Option<usize>,
+    /// Arrivals, synthetic content and trace replay: the flags kvload shares.
+    #[command(flatten)]
+    pub(crate) workload: kvsim::cli::WorkloadArgs,
 
     /// Synthetic chat sessions instead of single requests: N sessions start at the arrival
     /// model's times (--request-rate sessions/s), each with a pool prefix and
@@ -218,20 +190,6 @@ pub(crate) struct RunArgs {
     /// (arrival times and trace timestamps ignored; sessions keep their order).
     #[arg(long, value_name = "N", help_heading = "Sessions and closed loops")]
     concurrency: Option<usize>,
-
-    /// Replay this Mooncake-format JSONL trace instead of the synthetic prefix pool (lines
-    /// with session_id and think_time_ms replay as multi-turn sessions).
-    #[arg(long, value_name = "FILE", help_heading = "Trace replay")]
-    trace: Option<PathBuf>,
-    /// Tokens per block of the trace's hash ids.
-    #[arg(long, default_value_t = Trace::MOONCAKE_BLOCK_SIZE, value_parser = parse_block_size, value_name = "TOKENS", help_heading = "Trace replay")]
-    trace_block_size: usize,
-    /// Divide the trace's inter-arrival times by X.
-    #[arg(long, value_name = "X", help_heading = "Trace replay")]
-    trace_speedup: Option<f64>,
-    /// keep: the trace's timestamps; rate: re-time arrivals with --arrival-model and --request-rate.
-    #[arg(long, value_parser = parse_trace_timing, value_name = "MODE", help_heading = "Trace replay")]
-    trace_timing: Option<TraceTiming>,
 
     /// Replay measured requests (their arrival times, prompt and output lengths): vLLM's
     /// OpenTelemetry request spans as a collector's file exporter writes them (one OTLP/JSON
@@ -265,7 +223,7 @@ pub(crate) struct RunArgs {
     pub(crate) requests_out: Option<PathBuf>,
 
     /// Tokens per KV block, engines and router alike (a trace: its block size).
-    #[arg(long, value_parser = parse_block_size, value_name = "TOKENS", help_heading = "Fleet")]
+    #[arg(long, value_parser = kvsim::cli::parse_block_size, value_name = "TOKENS", help_heading = "Fleet")]
     pub(crate) des_block_size: Option<usize>,
     /// Engine replicas behind the router.
     #[arg(long, value_name = "N", help_heading = "Fleet")]
@@ -681,14 +639,6 @@ fn expected(e: kvsim::Error) -> String {
     }
 }
 
-fn parse_arrival(s: &str) -> Result<ArrivalModel, String> {
-    s.parse().map_err(expected)
-}
-
-fn parse_popularity(s: &str) -> Result<Popularity, String> {
-    s.parse().map_err(expected)
-}
-
 fn parse_policy(s: &str) -> Result<Policy, String> {
     s.parse::<Policy>().map_err(|e| e.to_string())
 }
@@ -745,19 +695,6 @@ fn parse_timing_kind(s: &str) -> Result<TimingKind, String> {
     s.parse().map_err(expected)
 }
 
-fn parse_trace_timing(s: &str) -> Result<TraceTiming, String> {
-    s.parse().map_err(expected)
-}
-
-fn parse_block_size(s: &str) -> Result<usize, String> {
-    let n: usize = s
-        .parse()
-        .map_err(|_| "expected a whole number of tokens >= 1".to_string())?;
-    BlockSize::new(n)
-        .map(BlockSize::get)
-        .map_err(|e| e.to_string())
-}
-
 impl RunArgs {
     /// The simulation settings: `SimConfig::default()` with every given flag applied; errors
     /// are one line naming the flag (or FILE:LINE for a trace).
@@ -777,12 +714,9 @@ impl RunArgs {
             let shared = self.shared_prefix_tokens.unwrap_or(0);
             cfg = cfg.with_trace(Trace::from_measured(&name, &reqs, shared, bs));
         }
-        if let Some(path) = &self.trace {
-            let bs = BlockSize::new(self.trace_block_size)
-                .map_err(|e| format!("--trace-block-size: {e}"))?;
-            let trace = Trace::load(path, bs).map_err(|e| flagged(&e))?;
-            cfg = cfg.with_trace(trace);
-        }
+        self.workload
+            .load_trace(&mut cfg)
+            .map_err(|e| flagged(&e))?;
         if let Some(bs) = self.des_block_size {
             cfg.block_size = BlockSize::new(bs).map_err(|e| format!("--des-block-size: {e}"))?;
         }
@@ -821,18 +755,7 @@ impl RunArgs {
             cfg.concurrency = self.concurrency;
         }
         set(&mut cfg.turns, &self.turns);
-        set(&mut cfg.num_requests, &self.des_num_requests);
-        set(&mut cfg.request_rate, &self.request_rate);
-        set(&mut cfg.arrival_model, &self.arrival_model);
-        set(&mut cfg.arrival_cv, &self.arrival_cv);
-        set(&mut cfg.seed, &self.seed);
-        set(&mut cfg.num_prefixes, &self.des_num_prefixes);
-        set(&mut cfg.prefix_len, &self.des_prefix_len);
-        set(&mut cfg.prefix_popularity, &self.prefix_popularity);
-        set(&mut cfg.input_len, &self.input_len);
-        set(&mut cfg.output_len, &self.output_len);
-        set(&mut cfg.trace_speedup, &self.trace_speedup);
-        set(&mut cfg.trace_timing, &self.trace_timing);
+        self.workload.apply_settings(&mut cfg);
         set(&mut cfg.instances, &self.des_instances);
         if self.des_prefill_instances.is_some() {
             cfg.prefill_instances = self.des_prefill_instances;

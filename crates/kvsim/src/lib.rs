@@ -36,7 +36,9 @@
 //!
 //! # Features
 //!
-//! None. The library depends on `kvroute` (and so `kvcache`, `kvblock`), `serde` and
+//! `cli` (off): `cli::WorkloadArgs`, the workload's command-line flags as a `clap` struct
+//! that the `kvsim` command and `kvload` both flatten (costs the `clap` crate). Otherwise the
+//! library depends on `kvroute` (and so `kvcache`, `kvblock`), `serde` and
 //! `serde_json` (the JSON report and trace parsing), `rand_core`/`rand_xoshiro` (seeded
 //! sampling), `libm` and `thiserror`. The `kvsim` command, with clap, plotters and indicatif, is
 //! the separate `kvsim-cli` package.
@@ -48,6 +50,8 @@
 )]
 
 mod calibrate;
+#[cfg(feature = "cli")]
+pub mod cli;
 mod config;
 mod engine;
 mod error;

@@ -2,14 +2,13 @@
 //! OpenAI-compatible endpoint and prints kvsim's report lines over what it measured.
 
 use std::io::IsTerminal;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
 use kvblock::BlockSize;
 use kvmock::load::{self, Api, LoadConfig};
-use kvsim::{ArrivalModel, Popularity, SimConfig, Trace, TraceTiming};
+use kvsim::SimConfig;
 
 /// Replay traffic against an OpenAI-compatible endpoint (kvmock, kvrouter, or a real vLLM) and
 /// measure TTFT, ITL, E2E, throughput and the cached tokens the endpoint reports.
@@ -44,69 +43,18 @@ struct Cli {
     #[arg(long, default_value_t = 600.0, value_name = "S")]
     request_timeout: f64,
 
-    /// Arrival rate, requests per second (synthetic pool, or --trace-timing rate).
-    #[arg(long, value_name = "R", help_heading = "Arrivals (as kvsim)")]
-    request_rate: Option<f64>,
-    /// Arrival process: poisson, constant or gamma.
-    #[arg(long, value_name = "MODEL", help_heading = "Arrivals (as kvsim)")]
-    arrival_model: Option<String>,
-    /// Coefficient of variation of gamma inter-arrival times.
-    #[arg(long, value_name = "CV", help_heading = "Arrivals (as kvsim)")]
-    arrival_cv: Option<f64>,
-    /// Requests to send (a trace: at most its length).
-    #[arg(long, value_name = "N", help_heading = "Arrivals (as kvsim)")]
-    des_num_requests: Option<usize>,
-    /// Seed of the workload and of the tokens standing for trace ids.
-    #[arg(long, value_name = "S", help_heading = "Arrivals (as kvsim)")]
-    seed: Option<u64>,
+    /// Arrivals, synthetic content and trace replay: kvsim's own flags (`kvsim::cli`), so a
+    /// workload is spelled the same way live and simulated.
+    #[command(flatten)]
+    workload: kvsim::cli::WorkloadArgs,
 
-    /// Prefixes in the synthetic pool.
-    #[arg(long, value_name = "P", help_heading = "Synthetic content (as kvsim)")]
-    des_num_prefixes: Option<usize>,
-    /// Tokens per prefix.
-    #[arg(long, value_name = "L", help_heading = "Synthetic content (as kvsim)")]
-    des_prefix_len: Option<usize>,
-    /// uniform, or zipf:S for a few hot prefixes (Zipf with exponent S).
-    #[arg(
-        long,
-        value_name = "DIST",
-        help_heading = "Synthetic content (as kvsim)"
-    )]
-    prefix_popularity: Option<String>,
-    /// Prompt tokens per request, prefix included.
-    #[arg(
-        long,
-        value_name = "TOKENS",
-        help_heading = "Synthetic content (as kvsim)"
-    )]
-    input_len: Option<usize>,
-    /// Output tokens per request (max_tokens).
-    #[arg(
-        long,
-        value_name = "TOKENS",
-        help_heading = "Synthetic content (as kvsim)"
-    )]
-    output_len: Option<usize>,
     /// Tokens per KV block of the endpoint, for the report's block figures.
     #[arg(
         long,
         value_name = "TOKENS",
-        help_heading = "Synthetic content (as kvsim)"
+        help_heading = "Synthetic content"
     )]
     des_block_size: Option<usize>,
-
-    /// Replay this Mooncake-format JSONL trace instead of the synthetic pool.
-    #[arg(long, value_name = "FILE", help_heading = "Trace replay (as kvsim)")]
-    trace: Option<PathBuf>,
-    /// Tokens per block of the trace's hash ids.
-    #[arg(long, default_value_t = Trace::MOONCAKE_BLOCK_SIZE, value_name = "TOKENS", help_heading = "Trace replay (as kvsim)")]
-    trace_block_size: usize,
-    /// Divide the trace's inter-arrival times by X.
-    #[arg(long, value_name = "X", help_heading = "Trace replay (as kvsim)")]
-    trace_speedup: Option<f64>,
-    /// keep: the trace's timestamps; rate: re-time with --arrival-model and --request-rate.
-    #[arg(long, value_name = "MODE", help_heading = "Trace replay (as kvsim)")]
-    trace_timing: Option<String>,
 
     /// Output format: text or json.
     #[arg(long, default_value = "text", value_parser = ["text", "json"], value_name = "FORMAT", help_heading = "Output")]
@@ -136,43 +84,10 @@ fn fail(flag: &str, message: impl std::fmt::Display) -> ! {
 
 fn sim_config(cli: &Cli) -> SimConfig {
     let mut cfg = SimConfig::default();
-    if let Some(p) = &cli.trace {
-        let bs =
-            BlockSize::new(cli.trace_block_size).unwrap_or_else(|e| fail("--trace-block-size", e));
-        let trace = Trace::load(p, bs).unwrap_or_else(|e| fail("--trace", e));
-        cfg = cfg.with_trace(trace);
+    if let Err(e) = cli.workload.load_trace(&mut cfg) {
+        fail("--trace", e);
     }
-    macro_rules! set {
-        ($field:ident, $opt:expr) => {
-            if let Some(v) = $opt {
-                cfg.$field = v;
-            }
-        };
-    }
-    set!(request_rate, cli.request_rate);
-    set!(arrival_cv, cli.arrival_cv);
-    set!(num_requests, cli.des_num_requests);
-    set!(seed, cli.seed);
-    set!(num_prefixes, cli.des_num_prefixes);
-    set!(prefix_len, cli.des_prefix_len);
-    set!(input_len, cli.input_len);
-    set!(output_len, cli.output_len);
-    set!(trace_speedup, cli.trace_speedup);
-    if let Some(m) = &cli.arrival_model {
-        cfg.arrival_model = m
-            .parse::<ArrivalModel>()
-            .unwrap_or_else(|e| fail("--arrival-model", e));
-    }
-    if let Some(p) = &cli.prefix_popularity {
-        cfg.prefix_popularity = p
-            .parse::<Popularity>()
-            .unwrap_or_else(|e| fail("--prefix-popularity", e));
-    }
-    if let Some(t) = &cli.trace_timing {
-        cfg.trace_timing = t
-            .parse::<TraceTiming>()
-            .unwrap_or_else(|e| fail("--trace-timing", e));
-    }
+    cli.workload.apply_settings(&mut cfg);
     if let Some(b) = cli.des_block_size {
         if cfg.trace.is_some() {
             fail(
@@ -196,6 +111,8 @@ fn sim_config(cli: &Cli) -> SimConfig {
             ("input_len", "--input-len"),
             ("output_len", "--output-len"),
             ("trace_speedup", "--trace-speedup"),
+            ("arrival_model", "--arrival-model"),
+            ("trace_timing", "--trace-timing"),
         ]
         .iter()
         .find(|(s, _)| text.contains(&format!("invalid {s} ")))
