@@ -49,11 +49,7 @@ struct Cli {
     workload: kvsim::cli::WorkloadArgs,
 
     /// Tokens per KV block of the endpoint, for the report's block figures.
-    #[arg(
-        long,
-        value_name = "TOKENS",
-        help_heading = "Synthetic content"
-    )]
+    #[arg(long, value_name = "TOKENS", help_heading = "Synthetic content")]
     des_block_size: Option<usize>,
 
     /// Output format: text or json.
