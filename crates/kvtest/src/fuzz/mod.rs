@@ -13,6 +13,7 @@ pub mod index_events;
 #[cfg(feature = "openai")]
 pub mod openai_request;
 pub mod router_ops;
+#[cfg(feature = "sim")]
 pub mod trace_line;
 #[cfg(feature = "vllm")]
 pub mod vllm_decode;
