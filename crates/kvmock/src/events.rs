@@ -231,7 +231,7 @@ async fn run_publisher(task: PubTask, mut rx: mpsc::UnboundedReceiver<Vec<Engine
             b.push_back((seq, payload.clone()));
         }
         let mut msg = ZmqMessage::from(topic.clone());
-        msg.push_back(Bytes::copy_from_slice(&seq.to_be_bytes()));
+        msg.push_back(Bytes::copy_from_slice(&kvroute_vllm::seq_frame(seq)));
         msg.push_back(payload);
         // A PUB socket drops messages nobody subscribed to; an error here is not fatal.
         let _ = publ.send(msg).await;
@@ -240,17 +240,15 @@ async fn run_publisher(task: PubTask, mut rx: mpsc::UnboundedReceiver<Vec<Engine
 }
 
 async fn serve_replay(mut router: zeromq::RouterSocket, buffer: Buffer) {
-    const END_SEQ: [u8; 8] = (-1i64).to_be_bytes();
     while let Ok(msg) = router.recv().await {
         let frames: Vec<Bytes> = msg.into_vec();
         // [identity, start] from a DEALER without a delimiter, [identity, "", start] otherwise.
         let (Some(identity), Some(start)) = (frames.first(), frames.last()) else {
             continue;
         };
-        let Ok(start) = <[u8; 8]>::try_from(start.as_ref()) else {
+        let Ok(start) = kvroute_vllm::parse_seq_frame(start) else {
             continue;
         };
-        let start = u64::from_be_bytes(start);
         let replies: Vec<(u64, Bytes)> = buffer
             .lock()
             .map(|b| b.iter().filter(|(s, _)| *s >= start).cloned().collect())
@@ -264,7 +262,10 @@ async fn serve_replay(mut router: zeromq::RouterSocket, buffer: Buffer) {
         };
         for (seq, payload) in replies {
             if router
-                .send(frame(Bytes::copy_from_slice(&seq.to_be_bytes()), payload))
+                .send(frame(
+                    Bytes::copy_from_slice(&kvroute_vllm::seq_frame(seq)),
+                    payload,
+                ))
                 .await
                 .is_err()
             {
@@ -272,7 +273,10 @@ async fn serve_replay(mut router: zeromq::RouterSocket, buffer: Buffer) {
             }
         }
         let _ = router
-            .send(frame(Bytes::copy_from_slice(&END_SEQ), Bytes::new()))
+            .send(frame(
+                Bytes::copy_from_slice(&kvroute_vllm::REPLAY_END),
+                Bytes::new(),
+            ))
             .await;
     }
 }

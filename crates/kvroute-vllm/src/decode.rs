@@ -27,6 +27,36 @@ pub fn parse_seq_frame(frame: &[u8]) -> Result<u64, VllmError> {
         .map_err(|_| VllmError::SequenceFrame { len: frame.len() })
 }
 
+/// A sequence-number frame as vLLM sends it (on every published batch, in a replay request and
+/// in each replay answer): 8 bytes, big-endian.
+///
+/// ```
+/// assert_eq!(kvroute_vllm::seq_frame(7), [0, 0, 0, 0, 0, 0, 0, 7]);
+/// ```
+pub fn seq_frame(seq: u64) -> [u8; 8] {
+    seq.to_be_bytes()
+}
+
+/// The sequence frame that ends a replay answer: -1 as a big-endian `i64`.
+pub const REPLAY_END: [u8; 8] = (-1i64).to_be_bytes();
+
+/// Reads the sequence frame of a replay answer: `Some(seq)` for a batch, `None` for the end
+/// marker (a negative `i64`, [`REPLAY_END`]).
+///
+/// ```
+/// use kvroute_vllm::{parse_replay_seq, seq_frame, REPLAY_END};
+/// assert_eq!(parse_replay_seq(&seq_frame(3))?, Some(3));
+/// assert_eq!(parse_replay_seq(&REPLAY_END)?, None);
+/// assert!(parse_replay_seq(&[1, 2]).is_err());
+/// # Ok::<(), kvroute_vllm::VllmError>(())
+/// ```
+pub fn parse_replay_seq(frame: &[u8]) -> Result<Option<u64>, VllmError> {
+    let seq = <[u8; 8]>::try_from(frame)
+        .map(i64::from_be_bytes)
+        .map_err(|_| VllmError::SequenceFrame { len: frame.len() })?;
+    Ok(u64::try_from(seq).ok())
+}
+
 /// Decodes one vLLM MessagePack event batch (either event shape, either hash encoding).
 ///
 /// ```

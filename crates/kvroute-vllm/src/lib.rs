@@ -182,7 +182,7 @@ mod ingest;
 mod snapshot;
 mod wire;
 
-pub use decode::{decode_event_batch, parse_seq_frame};
+pub use decode::{decode_event_batch, parse_replay_seq, parse_seq_frame, seq_frame, REPLAY_END};
 pub use error::VllmError;
 pub use ingest::{FeedSnapshot, IngestStats, IngestSummary, VllmIngest};
 pub use snapshot::{MirrorSnapshot, MIRROR_SNAPSHOT_VERSION};

@@ -159,7 +159,7 @@ pub async fn fetch_replay(endpoint: &str, start: u64) -> Result<Vec<(u64, Bytes)
         let mut d = zeromq::DealerSocket::new();
         d.connect(endpoint).await.map_err(|e| e.to_string())?;
         let mut m = ZmqMessage::from(Bytes::new());
-        m.push_back(Bytes::copy_from_slice(&start.to_be_bytes()));
+        m.push_back(Bytes::copy_from_slice(&kvroute_vllm::seq_frame(start)));
         d.send(m).await.map_err(|e| e.to_string())?;
         let mut out = Vec::new();
         loop {
@@ -168,13 +168,10 @@ pub async fn fetch_replay(endpoint: &str, start: u64) -> Result<Vec<(u64, Bytes)
             let [_, seq, payload] = &msg[..] else {
                 return Err(format!("a replay message of {} frames", msg.len()));
             };
-            let seq = <[u8; 8]>::try_from(seq.as_ref())
-                .map(i64::from_be_bytes)
-                .map_err(|_| format!("a replay sequence frame of {} bytes", seq.len()))?;
-            if seq < 0 {
-                return Ok(out);
+            match kvroute_vllm::parse_replay_seq(seq).map_err(|e| e.to_string())? {
+                Some(seq) => out.push((seq, payload.clone())),
+                None => return Ok(out),
             }
-            out.push((seq as u64, payload.clone()));
         }
     };
     tokio::time::timeout(REPLAY_TIMEOUT, work)
