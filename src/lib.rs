@@ -8,6 +8,7 @@
 //! - [`kvroute`]: the cost function, in-flight load tracking, the policies and the `Router`.
 //! - [`kvroute_vllm`]: vLLM's and SGLang's KV-event wire, decoded and applied to a `Router`.
 //! - [`kvsim`]: the discrete-event fleet simulator (the `kvsim` command is in that crate).
+#![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
 pub use kvblock;

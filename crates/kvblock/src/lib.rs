@@ -37,6 +37,7 @@
 //!
 //! Always needed: `xxhash-rust` (XXH3 only), `bytemuck` (token bytes without copying) and
 //! `thiserror`.
+#![forbid(unsafe_code)]
 #![deny(missing_docs)]
 // No input a caller, an engine or a file supplies may panic the library.
 #![cfg_attr(

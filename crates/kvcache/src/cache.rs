@@ -999,7 +999,7 @@ mod tests {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(256))]
+        #![proptest_config(ProptestConfig::with_cases(if cfg!(miri) { 3 } else { 256 }))]
         /// Pinning, storing and releasing through slots does exactly what the chain calls do,
         /// used the way an engine uses them: pin the cached run, store the prompt and pin the
         /// rest, release it all.

@@ -36,6 +36,8 @@
 //! Always needed: `kvblock`, `hashbrown` (with a fixed, seedless hasher: iteration order never
 //! depends on the process) and `thiserror`.
 #![deny(missing_docs)]
+// `unsafe` is denied in the workspace; `prefetch` alone allows it, each block documented.
+#![deny(clippy::undocumented_unsafe_blocks)]
 // No input a caller, an engine or a file supplies may panic the library.
 #![cfg_attr(
     not(test),
@@ -46,6 +48,7 @@ mod blockmap;
 mod cache;
 mod hasher;
 mod index;
+mod prefetch;
 mod snapshot;
 mod tier;
 mod workerset;

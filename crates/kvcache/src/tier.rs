@@ -169,6 +169,7 @@ mod tests {
     use proptest::prelude::*;
 
     proptest! {
+        #![proptest_config(ProptestConfig::with_cases(if cfg!(miri) { 3 } else { 256 }))]
         /// Against a naive LRU (a list, most recent last): same blocks in the same order, and
         /// the events replayed on a set give the tier's blocks.
         #[test]

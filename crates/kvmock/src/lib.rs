@@ -17,6 +17,7 @@
 //!   (`kvserve`), shared with the router server.
 //! - [`load`]: the `kvload` client (open loop at the trace's times, streaming, the simulator's
 //!   report).
+#![forbid(unsafe_code)]
 #![cfg_attr(
     not(test),
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)

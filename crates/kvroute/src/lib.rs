@@ -51,6 +51,7 @@
 //! Always needed: `kvcache` (and `kvblock`), `hashbrown`, `xxhash-rust` (the consistent-hash
 //! ring), `rand_core` and `rand_xoshiro` (seeded tie-breaking) and `thiserror`. No async
 //! runtime, no I/O.
+#![forbid(unsafe_code)]
 #![deny(missing_docs)]
 // No input a caller, an engine or a file supplies may panic the library.
 #![cfg_attr(

@@ -28,6 +28,7 @@
 //! rt.block_on(kvrouter::run(cfg, std::future::pending()))?;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+#![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
 pub mod config;

@@ -1,4 +1,5 @@
 //! The `kvsim` command: simulate a fleet of LLM engines behind a KV-aware router.
+#![forbid(unsafe_code)]
 
 mod args;
 mod calibrate;

@@ -42,6 +42,7 @@
 //! `serde_json` (the JSON report and trace parsing), `rand_core`/`rand_xoshiro` (seeded
 //! sampling), `libm` and `thiserror`. The `kvsim` command, with clap, plotters and indicatif, is
 //! the separate `kvsim-cli` package.
+#![forbid(unsafe_code)]
 #![deny(missing_docs)]
 // No input a caller, an engine or a file supplies may panic the library.
 #![cfg_attr(

@@ -14,6 +14,7 @@
 //!
 //! The models are slow and obviously right (vectors, sets, linear scans); the real code is
 //! checked against them after every operation, together with its `check_invariants`.
+#![forbid(unsafe_code)]
 
 pub mod cache;
 pub mod chains;
