@@ -702,7 +702,7 @@ impl RunArgs {
         let mut cfg = SimConfig::default();
         if let Some(path) = &self.vllm_log {
             let log = VllmLog::load(path).map_err(|e| format!("--vllm-log {e}"))?;
-            apply_vllm_log(&mut cfg, &log);
+            log.configure(&mut cfg);
         }
         if let Some(path) = &self.spans {
             let reqs = kvsim::load_measured(path).map_err(|e| format!("--spans {e}"))?;
@@ -852,24 +852,6 @@ impl RunArgs {
     pub(crate) fn progress(&self) -> bool {
         !self.quiet && std::io::stderr().is_terminal()
     }
-}
-
-/// The engine settings a vLLM log states, onto `cfg` (explicit flags are applied after).
-pub(crate) fn apply_vllm_log(cfg: &mut SimConfig, log: &VllmLog) {
-    if let Some(bs) = log.block_size.and_then(|b| BlockSize::new(b).ok()) {
-        cfg.block_size = bs;
-    }
-    if let Some(b) = log.kv_blocks(cfg.block_size.get()) {
-        cfg.kv_blocks = Some(b);
-    }
-    if let Some(t) = log.max_num_batched_tokens {
-        cfg.max_batched_tokens = t;
-    }
-    if let Some(n) = log.max_num_seqs {
-        cfg.max_num_seqs = n;
-    }
-    cfg.kv_allocation = KvAllocation::Incremental;
-    cfg.scheduler = kvsim::Scheduler::Vllm;
 }
 
 /// One line for a usage error: clap's first line, without its "error: " prefix.

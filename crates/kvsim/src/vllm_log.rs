@@ -5,6 +5,10 @@ use std::path::Path;
 
 use serde::Serialize;
 
+use kvblock::BlockSize;
+
+use crate::config::SimConfig;
+use crate::engine::{KvAllocation, Scheduler};
 use crate::error::{Error, TraceError};
 
 /// What a vLLM log says about the engine that served: the last server start in the file (a log
@@ -169,6 +173,35 @@ impl VllmLog {
             ));
         }
         Ok(s)
+    }
+
+    /// Configures `cfg`'s engines as this log states: the block size, the KV blocks, the step
+    /// budget and `max_num_seqs` where it gives them, and vLLM's scheduling rules (with their
+    /// incremental allocation). What the log does not state is left as it is.
+    ///
+    /// ```
+    /// let log = kvsim::VllmLog::parse("vllm.log", "GPU KV cache size: 4,096 tokens\nnum_gpu_blocks is: 256\n")?;
+    /// let mut cfg = kvsim::SimConfig::default();
+    /// log.configure(&mut cfg);
+    /// assert_eq!((cfg.block_size.get(), cfg.kv_blocks), (16, Some(256)));
+    /// assert_eq!(cfg.scheduler, kvsim::Scheduler::Vllm);
+    /// # Ok::<(), kvsim::Error>(())
+    /// ```
+    pub fn configure(&self, cfg: &mut SimConfig) {
+        if let Some(bs) = self.block_size.and_then(|b| BlockSize::new(b).ok()) {
+            cfg.block_size = bs;
+        }
+        if let Some(b) = self.kv_blocks(cfg.block_size.get()) {
+            cfg.kv_blocks = Some(b);
+        }
+        if let Some(t) = self.max_num_batched_tokens {
+            cfg.max_batched_tokens = t;
+        }
+        if let Some(n) = self.max_num_seqs {
+            cfg.max_num_seqs = n;
+        }
+        cfg.kv_allocation = KvAllocation::Incremental;
+        cfg.scheduler = Scheduler::Vllm;
     }
 
     /// KV blocks of `block_size` tokens the engine holds: `num_gpu_blocks` at the log's own

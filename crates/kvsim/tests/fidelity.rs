@@ -295,13 +295,8 @@ fn shared(model: &str, file: &str) -> PathBuf {
 /// The engine as the log states it, replayed on one instance.
 fn engine_of(log: &VllmLog, scheduler: Scheduler) -> SimConfig {
     let mut cfg = SimConfig::default();
-    let bs = log.block_size.unwrap();
-    cfg.block_size = BlockSize::new(bs).unwrap();
+    log.configure(&mut cfg);
     cfg.instances = 1;
-    cfg.kv_blocks = log.kv_blocks(bs);
-    cfg.max_batched_tokens = log.max_num_batched_tokens.unwrap();
-    cfg.max_num_seqs = log.max_num_seqs.unwrap();
-    cfg.kv_allocation = KvAllocation::Incremental;
     cfg.scheduler = scheduler;
     cfg
 }
