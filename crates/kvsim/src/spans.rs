@@ -130,20 +130,20 @@ fn otlp_line(
     resource_spans: &Value,
     found: &mut Vec<(i128, usize, MeasuredRequest)>,
 ) -> Result<(), String> {
-    let list = |v: Option<&Value>, what: &str| -> Result<Vec<Value>, String> {
+    fn list<'a>(v: Option<&'a Value>, what: &str) -> Result<&'a [Value], String> {
         match v {
-            None => Ok(Vec::new()),
-            Some(Value::Array(a)) => Ok(a.clone()),
+            None => Ok(&[]),
+            Some(Value::Array(a)) => Ok(a),
             Some(_) => Err(format!("{what} is not an array")),
         }
-    };
+    }
     for rs in list(Some(resource_spans), "resourceSpans")? {
         for ss in list(rs.get("scopeSpans"), "scopeSpans")? {
             for span in list(ss.get("spans"), "spans")? {
                 if span.get("name").and_then(Value::as_str) != Some(LLM_REQUEST_SPAN) {
                     continue;
                 }
-                let req = otlp_span(&span)?;
+                let req = otlp_span(span)?;
                 found.push((req.0, found.len(), req.1));
             }
         }
