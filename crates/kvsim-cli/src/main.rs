@@ -118,37 +118,31 @@ fn run(args: &RunArgs) -> ExitCode {
         Ok(s) => s,
         Err(e) => return usage_error(flagged(&e)),
     };
-    if let Some(path) = args.requests_out() {
+    let result = if let Some(path) = args.requests_out() {
+        // Every request as it was simulated, then the report as without the flag.
         let (report, reqs) = match sim.run_requests() {
             Ok(x) => x,
             Err(e) => return usage_error(flagged(&e)),
         };
-        let mut lines = String::with_capacity(reqs.len() * 200);
-        for r in &reqs {
-            lines.push_str(&kvsim::record_line(r));
-            lines.push('\n');
-        }
-        if let Err(e) = std::fs::write(path, lines) {
+        if let Err(e) = kvsim::write_records(path, &reqs) {
             return usage_error(format!(
                 "--requests-out {}: cannot write: {e}",
                 path.display()
             ));
         }
-        if args.json() {
-            emit(&format!("{}\n", report.to_json()));
-        } else {
-            emit(&report.to_text(args.verbose()));
+        Ok(report)
+    } else {
+        let bar =
+            (args.progress() && total >= 20_000).then(|| sweep::bar(total as u64, "requests"));
+        let result = match &bar {
+            Some(b) => sim.run_with_progress(&mut |done| b.set_position(done as u64)),
+            None => sim.run(),
+        };
+        if let Some(b) = bar {
+            b.finish_and_clear();
         }
-        return ExitCode::SUCCESS;
-    }
-    let bar = (args.progress() && total >= 20_000).then(|| sweep::bar(total as u64, "requests"));
-    let result = match &bar {
-        Some(b) => sim.run_with_progress(&mut |done| b.set_position(done as u64)),
-        None => sim.run(),
+        result
     };
-    if let Some(b) = bar {
-        b.finish_and_clear();
-    }
     match result {
         Ok(report) if args.json() => emit(&format!("{}\n", report.to_json())),
         Ok(report) => emit(&report.to_text(args.verbose())),

@@ -91,7 +91,7 @@ pub use report::{
 pub use requests::{measured_report, workload_requests, PromptContent, WorkloadRequest};
 pub use sim::Simulation;
 pub use slo::{Slo, SloReport};
-pub use spans::{load_measured, parse_measured, record_line, LLM_REQUEST_SPAN};
+pub use spans::{load_measured, parse_measured, record_line, write_records, LLM_REQUEST_SPAN};
 pub use stats::Summary;
 pub use timing::{LinearTiming, PolynomialTiming, StepShape, TimingKind, TimingModel};
 pub use trace::{Lengths, Trace, TraceRequest, TraceStats, MAX_TOKENS};

@@ -240,6 +240,17 @@ fn read_record(obj: &Map<String, Value>) -> Result<(i128, MeasuredRequest), Stri
     Ok((i128::from(arrival) * 1_000, r))
 }
 
+/// Writes `requests` to `path`, one [`record_line`] each: the file `kvsim --requests-out` and
+/// `kvload --record` write, and [`parse_measured`] reads.
+pub fn write_records(path: &Path, requests: &[MeasuredRequest]) -> std::io::Result<()> {
+    let mut text = String::with_capacity(requests.len() * 200);
+    for r in requests {
+        text.push_str(&record_line(r));
+        text.push('\n');
+    }
+    std::fs::write(path, text)
+}
+
 /// One request as a record line (no newline), the shape [`parse_measured`] reads back:
 /// `arrival_us`, `prompt_tokens`, `cached_tokens`, `output_tokens`, `ttft_us`, `e2e_us`,
 /// `mean_itl_us` (null for fewer than two output tokens), `status`, then `instance` and

@@ -194,12 +194,7 @@ fn main() {
         }
     };
     if let Some(path) = &cli.record {
-        let mut lines = String::with_capacity(m.requests.len() * 180);
-        for r in &m.requests {
-            lines.push_str(&kvsim::record_line(r));
-            lines.push('\n');
-        }
-        if let Err(e) = std::fs::write(path, lines) {
+        if let Err(e) = kvsim::write_records(path, &m.requests) {
             eprintln!("kvload: --record {}: cannot write: {e}", path.display());
             std::process::exit(1);
         }
