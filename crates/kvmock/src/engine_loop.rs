@@ -1,12 +1,9 @@
-//! The engine loop without a clock: the simulator's [`kvsim::Engine`] driven exactly as the
-//! discrete-event simulator drives it (`crates/kvsim/src/sim.rs`), with the arrival and step-end
-//! times supplied by the caller. [`crate::driver`] runs it against the wall clock; a test runs it
-//! with the simulator's own times and must get what `kvsim` gets.
+//! One engine on the simulator's engine loop ([`kvsim::EngineLoop`], the one the simulator drives
+//! every engine of a fleet through), with the arrival and step-end times supplied by the caller.
+//! [`crate::driver`] runs it against the wall clock; a test runs it with the simulator's own times
+//! and must get what `kvsim` gets. On top of the loop it keeps what an engine emulator needs:
 //!
-//! - On an arrival at time `t`, every step ending at or before `t` ends first; then the request
-//!   is submitted and, if the engine is idle, a step is planned (admit, outcomes, KV events,
-//!   plan), as in the simulator.
-//! - At a step's end: `finish_step`, outcomes, KV events, then the next step.
+//! - On an arrival at time `t`, every step ending at or before `t` ends first.
 //! - Every request that produced a token in the step (the decoding ones, and the ones whose
 //!   prefill ended) gets a [`Note::Token`] stamped with the step's end.
 //! - Each flush of the engine's KV events becomes one batch of vLLM events with engine-private
@@ -18,7 +15,7 @@ use std::sync::Arc;
 use kvblock::{BlockHash, BlockHasher, BlockSize};
 use kvcache::{FixedState, KvEvent};
 use kvroute_vllm::{BlockRemoved, BlockStored, EngineEvent, EngineHash, KeyValue};
-use kvsim::{Engine, EngineConfig, EngineRequest, LinearTiming, Outcome};
+use kvsim::{Engine, EngineConfig, EngineLoop, EngineRequest, LinearTiming, Outcome, PlannedStep};
 
 use crate::events::engine_block_hash;
 
@@ -187,7 +184,8 @@ impl Core {
                 break;
             }
             self.now_us = end;
-            self.step_done();
+            self.end_step(0);
+            self.refresh_counters();
         }
         self.now_us = self.now_us.max(t_us);
     }
@@ -236,11 +234,7 @@ impl Core {
             parent = Some(info.engine_hash);
         }
         let req = EngineRequest::new(id, blocks.clone(), tokens.len(), output_len);
-        if !self.engine.submit(req) {
-            self.release_blocks(&blocks);
-            self.notes.push(Note::Rejected { id });
-            return false;
-        }
+        // The request is live before the loop may admit it.
         self.live.insert(
             id,
             Live {
@@ -251,8 +245,11 @@ impl Core {
                 first_token: false,
             },
         );
-        if !self.engine.is_busy() {
-            self.start_step();
+        if !self.submit(0, req) {
+            let blocks = self.live.remove(&id).map(|l| l.blocks).unwrap_or_default();
+            self.release_blocks(&blocks);
+            self.notes.push(Note::Rejected { id });
+            return false;
         }
         self.refresh_counters();
         true
@@ -271,31 +268,6 @@ impl Core {
     /// The counters for `/metrics`.
     pub fn counters(&self) -> Counters {
         self.counters
-    }
-
-    fn step_done(&mut self) {
-        let at_us = self.now_us;
-        // The requests decoding in this step each produced a token.
-        for id in self.engine.decoding_ids() {
-            self.notes.push(Note::Token { id, at_us });
-        }
-        self.step_end = None;
-        self.engine.finish_step();
-        // Events first: a request that finishes in the step that stored its blocks (one output
-        // token) releases them below, and a block no request holds is forgotten unless resident.
-        self.flush_events();
-        self.handle_outcomes();
-        self.start_step();
-        self.refresh_counters();
-    }
-
-    fn start_step(&mut self) {
-        self.engine.admit();
-        self.handle_outcomes();
-        self.flush_events();
-        if let Some(step) = self.engine.plan_step() {
-            self.step_end = Some(self.now_us.saturating_add(step.duration_us));
-        }
     }
 
     fn handle_outcomes(&mut self) {
@@ -439,6 +411,37 @@ impl Core {
             }
             _ => 0.0,
         };
+    }
+}
+
+/// Events before outcomes: a request that finishes in the step that stored its blocks (one
+/// output token) releases them in its outcome, and a block no request holds is forgotten unless
+/// the events made it resident.
+impl EngineLoop for Core {
+    fn engine_mut(&mut self, _e: usize) -> &mut Engine {
+        &mut self.engine
+    }
+
+    fn on_outcomes(&mut self, _e: usize) {
+        self.flush_events();
+        self.handle_outcomes();
+    }
+
+    fn on_events(&mut self, _e: usize) {
+        self.flush_events();
+    }
+
+    fn on_step_planned(&mut self, _e: usize, step: PlannedStep) {
+        self.step_end = Some(self.now_us.saturating_add(step.duration_us));
+    }
+
+    fn on_step_ending(&mut self, _e: usize) {
+        // The requests decoding in this step each produced a token.
+        let at_us = self.now_us;
+        for id in self.engine.decoding_ids() {
+            self.notes.push(Note::Token { id, at_us });
+        }
+        self.step_end = None;
     }
 }
 

@@ -55,6 +55,7 @@ mod calibrate;
 pub mod cli;
 mod config;
 mod engine;
+mod engine_loop;
 mod error;
 mod fastline;
 mod fidelity;
@@ -77,6 +78,7 @@ pub use config::{ArrivalModel, DpRouting, PdLink, Popularity, SimConfig, TraceTi
 pub use engine::{
     Engine, EngineConfig, EngineRequest, KvAllocation, Outcome, PlannedStep, Pool, Scheduler,
 };
+pub use engine_loop::EngineLoop;
 pub use error::{Error, TraceError};
 pub use fidelity::{
     compare_phases, fit_spans, phases_by_count, phases_by_window, FidelityError, PhaseComparison,

@@ -8,7 +8,8 @@ use kvblock::BlockHash;
 use kvcache::{KvEvent, Tier};
 
 use crate::config::{PdLink, SimConfig};
-use crate::engine::{EngineRequest, Outcome, Pool};
+use crate::engine::{Engine, EngineRequest, Outcome, PlannedStep, Pool};
+use crate::engine_loop::EngineLoop;
 use crate::error::Error;
 use crate::fleet::{Fleet, Routers};
 use crate::records::{EngineRecord, MeasuredRequest, Records, RequestRecord};
@@ -377,7 +378,7 @@ impl<'a> Run<'a> {
                         let n = self.chains[e].ends.len() as u64;
                         self.commit(e, n);
                     }
-                    self.step_done(e);
+                    self.end_step(e);
                 }
                 Kind::TransferDone(r) => self.transfer_done(r),
                 Kind::Deliver(e, tier, events) => self.deliver(e, tier, &events),
@@ -445,11 +446,7 @@ impl<'a> Run<'a> {
         });
         let req = EngineRequest::new(id as u64, spec.blocks, spec.input_len, spec.output_len);
         self.interrupt(engine);
-        if self.fleet.engines[engine].submit(req) {
-            if !self.fleet.engines[engine].is_busy() {
-                self.start_step(engine);
-            }
-        } else {
+        if !self.submit(engine, req) {
             // It can never fit on this engine: count it and release the router's load.
             self.reqs[id].rec.rejected = true;
             self.release_router(id, Pool::Unified);
@@ -510,19 +507,6 @@ impl<'a> Run<'a> {
         }
     }
 
-    /// Admits what fits on engine `e` and, unless it has nothing to run, starts its next step.
-    fn start_step(&mut self, e: usize) {
-        self.fleet.engines[e].admit();
-        self.handle_outcomes(e);
-        self.flush_events(e);
-        if let Some(step) = self.fleet.engines[e].plan_step() {
-            if step.shape.decode_requests > 0 {
-                self.itl.add(step.duration_us, step.shape.decode_requests);
-            }
-            self.schedule_step(e, self.now.saturating_add(step.duration_us));
-        }
-    }
-
     /// Queues the end of engine `e`'s step in progress, at `end`; or, when it and the steps
     /// after it are quiet, the end of the first step after them (the quiet ones are skipped,
     /// to be run for real when that end comes or something is submitted to the engine).
@@ -569,21 +553,6 @@ impl<'a> Run<'a> {
             kind,
         };
         self.push_event(ev);
-    }
-
-    fn step_done(&mut self, e: usize) {
-        self.fleet.engines[e].finish_step();
-        // The property tests check the engine's invariants after every step.
-        #[cfg(test)]
-        if let Err(broken) = self.fleet.engines[e].check_invariants() {
-            panic!(
-                "engine {e} after step {}: {broken}",
-                self.fleet.engines[e].steps()
-            );
-        }
-        self.handle_outcomes(e);
-        self.flush_events(e);
-        self.start_step(e);
     }
 
     /// Stamps what engine `e` reports with the current time and moves requests on.
@@ -695,6 +664,28 @@ impl<'a> Run<'a> {
             itl: self.itl.into_samples(),
             router_errors: self.router_errors,
         }
+    }
+}
+
+/// The simulator drives every engine through the one engine loop; the event queue is the clock.
+impl EngineLoop for Run<'_> {
+    fn engine_mut(&mut self, e: usize) -> &mut Engine {
+        &mut self.fleet.engines[e]
+    }
+
+    fn on_outcomes(&mut self, e: usize) {
+        self.handle_outcomes(e);
+    }
+
+    fn on_events(&mut self, e: usize) {
+        self.flush_events(e);
+    }
+
+    fn on_step_planned(&mut self, e: usize, step: PlannedStep) {
+        if step.shape.decode_requests > 0 {
+            self.itl.add(step.duration_us, step.shape.decode_requests);
+        }
+        self.schedule_step(e, self.now.saturating_add(step.duration_us));
     }
 }
 

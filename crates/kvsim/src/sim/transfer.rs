@@ -117,11 +117,7 @@ impl Run<'_> {
         let blocks = std::mem::take(&mut req.in_transit);
         let er = EngineRequest::new(r as u64, blocks, req.rec.input, req.rec.output);
         self.interrupt(d);
-        if self.fleet.engines[d].submit(er) {
-            if !self.fleet.engines[d].is_busy() {
-                self.start_step(d);
-            }
-        } else {
+        if !self.submit(d, er) {
             self.reqs[r].rec.rejected = true;
             self.release_router(r, Pool::Decode);
             self.request_done(r);
