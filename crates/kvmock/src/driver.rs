@@ -36,6 +36,7 @@ struct Submit {
     tokens: Vec<u32>,
     output_len: usize,
     lora: Option<Lora>,
+    cache_salt: Option<String>,
     tx: tmpsc::UnboundedSender<Progress>,
 }
 
@@ -73,7 +74,8 @@ impl EngineHandle {
     }
 
     /// Hands a request that arrived at `arrived` (when the server received it), for LoRA
-    /// adapter `lora` if any, to the engine; its progress arrives on the returned channel.
+    /// adapter `lora` if any and with vLLM's `cache_salt` if any, to the engine; its progress
+    /// arrives on the returned channel.
     pub fn submit(
         &self,
         id: u64,
@@ -81,6 +83,7 @@ impl EngineHandle {
         tokens: Vec<u32>,
         output_len: usize,
         lora: Option<Lora>,
+        cache_salt: Option<String>,
     ) -> tmpsc::UnboundedReceiver<Progress> {
         let (tx, rx) = tmpsc::unbounded_channel();
         // If the engine thread is gone the receiver sees a closed channel.
@@ -90,6 +93,7 @@ impl EngineHandle {
             tokens,
             output_len,
             lora,
+            cache_salt,
             tx,
         });
         rx
@@ -129,7 +133,14 @@ fn run(
                 // thread does not delay the request (unless the engine has moved past it).
                 let t = emu(s.arrived.max(start)).max(core.now_us());
                 streams.insert(s.id, s.tx);
-                core.arrive_lora(t, s.id, &s.tokens, s.output_len, s.lora.as_ref());
+                core.arrive_keyed(
+                    t,
+                    s.id,
+                    &s.tokens,
+                    s.output_len,
+                    s.lora.as_ref(),
+                    s.cache_salt.as_deref(),
+                );
             }
             Err(RecvTimeoutError::Timeout) => {
                 if let Some(t) = core.next_deadline() {

@@ -15,6 +15,7 @@ use std::sync::Arc;
 use kvblock::{BlockHash, BlockHasher, BlockSize};
 use kvcache::{FixedState, KvEvent};
 use kvroute_vllm::{BlockRemoved, BlockStored, EngineEvent, EngineHash, KeyValue};
+use kvserve::keys::RequestKeys;
 use kvsim::{Engine, EngineConfig, EngineLoop, EngineRequest, LinearTiming, Outcome, PlannedStep};
 
 use crate::events::engine_block_hash;
@@ -108,6 +109,8 @@ struct BlockInfo {
     tokens: Box<[u32]>,
     /// The adapter whose blocks these are (every block of a chain has its first block's).
     lora: Option<Lora>,
+    /// The request's `cache_salt`, on a prompt's first block.
+    salt: Option<Arc<str>>,
     /// Live requests whose prompt has this block.
     refs: u32,
     resident: bool,
@@ -193,28 +196,34 @@ impl Core {
     /// A request arrives at `t_us` (at least the current time) with its prompt `tokens`.
     /// Returns `false` (and a [`Note::Rejected`]) if it can never fit.
     pub fn arrive(&mut self, t_us: u64, id: u64, tokens: &[u32], output_len: usize) -> bool {
-        self.arrive_lora(t_us, id, tokens, output_len, None)
+        self.arrive_keyed(t_us, id, tokens, output_len, None, None)
     }
 
-    /// [`arrive`](Self::arrive) for LoRA adapter `lora`: its blocks are other blocks than the
-    /// base model's (vLLM keys every block of a LoRA request with the adapter's name), and
-    /// their events carry the adapter's name and id, and the name as each block's extra key.
-    pub fn arrive_lora(
+    /// [`arrive`](Self::arrive) for LoRA adapter `lora` with vLLM's `cache_salt`, keyed by the
+    /// rule the router keys requests by ([`RequestKeys`]): an adapter's blocks are other blocks
+    /// than the base model's, and a salted prompt's than an unsalted one's. Their events carry
+    /// the adapter's name and id, and each block's extra keys as vLLM writes them (the adapter's
+    /// name, then the salt on the prompt's first block).
+    pub fn arrive_keyed(
         &mut self,
         t_us: u64,
         id: u64,
         tokens: &[u32],
         output_len: usize,
         lora: Option<&Lora>,
+        cache_salt: Option<&str>,
     ) -> bool {
         self.advance_to(t_us);
-        let hasher = match lora {
-            Some(l) => self.hasher.with_lora_name(&l.name),
-            None => self.hasher,
-        };
-        let blocks = hasher.sequence_hashes(tokens);
-        // The engine's own hash is keyed by the adapter too (engine-private, like vLLM's).
-        let lora_key = lora.map_or(0, |l| xxhash_rust::xxh3::xxh3_64(l.name.as_bytes()));
+        let keys = RequestKeys::new(lora.map(|l| &*l.name), cache_salt);
+        let blocks = keys.block_hashes(self.block_size(), tokens);
+        // The engine's own hash is keyed too (engine-private, like vLLM's).
+        let lora_key = keys
+            .lora()
+            .map_or(0, |l| xxhash_rust::xxh3::xxh3_64(l.as_bytes()));
+        let salt_key = keys
+            .cache_salt()
+            .map_or(0, |s| xxhash_rust::xxh3::xxh3_64_with_seed(s.as_bytes(), 1));
+        let salt: Option<Arc<str>> = keys.cache_salt().map(Arc::from);
         let bs = self.block_size().get();
         // Remember each block's engine hash, and its tokens for the events that will name it.
         let publish = self.publish;
@@ -222,10 +231,14 @@ impl Core {
         for (i, &b) in blocks.iter().enumerate() {
             let info = self.blocks.entry(b).or_insert_with(|| {
                 let t = &tokens[i * bs..(i + 1) * bs];
+                let first = i == 0;
                 BlockInfo {
-                    engine_hash: engine_block_hash(parent, t) ^ lora_key,
+                    engine_hash: engine_block_hash(parent, t)
+                        ^ lora_key
+                        ^ if first { salt_key } else { 0 },
                     tokens: if publish { t.into() } else { Box::default() },
                     lora: lora.cloned(),
+                    salt: salt.clone().filter(|_| first),
                     refs: 0,
                     resident: false,
                 }
@@ -341,6 +354,7 @@ impl Core {
                 KvEvent::Stored { parent, blocks } => {
                     let mut hashes = Vec::with_capacity(blocks.len());
                     let mut tokens = Vec::with_capacity(blocks.len() * bs as usize);
+                    let mut keys = Vec::with_capacity(blocks.len());
                     let mut lora = None;
                     for b in &blocks {
                         if let Some(info) = self.blocks.get_mut(b) {
@@ -351,20 +365,26 @@ impl Core {
                                 hashes.push(EngineHash::Int(info.engine_hash));
                                 tokens.extend_from_slice(&info.tokens);
                                 lora = lora.or_else(|| info.lora.clone());
+                                let k: Vec<KeyValue> = (info.lora.iter().map(|l| &*l.name))
+                                    .chain(info.salt.as_deref())
+                                    .map(|s| KeyValue::Str(s.to_string()))
+                                    .collect();
+                                keys.push(Some(k).filter(|k| !k.is_empty()));
                             }
                         }
                     }
                     let parent = parent
                         .and_then(|p| self.blocks.get(&p))
                         .map(|i| EngineHash::Int(i.engine_hash));
-                    let n = hashes.len();
                     let mut s = BlockStored::new(hashes, parent, tokens, bs);
                     s.medium = Some("GPU".into());
                     if let Some(l) = lora {
                         // As vLLM's block pool publishes a LoRA request's blocks.
                         s.lora_name = Some(l.name.to_string());
                         s.lora_id = Some(l.id);
-                        s.extra_keys = vec![Some(vec![KeyValue::Str(l.name.to_string())]); n];
+                    }
+                    if keys.iter().any(Option::is_some) {
+                        s.extra_keys = keys;
                     }
                     batch.push(EngineEvent::BlockStored(s));
                 }
@@ -537,7 +557,7 @@ mod tests {
         run(&mut core);
         // The same tokens under the adapter are other blocks: no hit on the base model's.
         let t = core.now_us() + 1_000;
-        assert!(core.arrive_lora(t, 2, &prompt, 1, Some(&lora)));
+        assert!(core.arrive_keyed(t, 2, &prompt, 1, Some(&lora), None));
         let notes = run(&mut core);
         assert!(notes.contains(&Note::Admitted {
             id: 2,
@@ -545,7 +565,7 @@ mod tests {
             at_us: t
         }));
         let t = core.now_us() + 1_000;
-        assert!(core.arrive_lora(t, 3, &prompt, 1, Some(&lora)));
+        assert!(core.arrive_keyed(t, 3, &prompt, 1, Some(&lora), None));
         let notes = run(&mut core);
         assert!(notes.contains(&Note::Admitted {
             id: 3,
@@ -608,5 +628,67 @@ mod tests {
             .unwrap();
         assert_eq!(salted.cache_hits, 2);
         router.finish(kvroute::RequestId::new(9)).unwrap();
+    }
+
+    #[test]
+    fn salted_requests_are_keyed_by_the_routers_rule_and_their_events_say_so() {
+        let bs = BlockSize::new(4).unwrap();
+        let lora = Lora {
+            name: "my-lora".into(),
+            id: 1,
+        };
+        let prompt: Vec<u32> = (0..8).collect();
+        // (adapter, salt) of each request, one after the other on one engine.
+        let cases = [
+            (None, Some("tenant-1")),
+            (Some(&lora), Some("tenant-1")),
+            (None, Some("tenant-2")),
+        ];
+        let mut core = Core::new(cfg(None), LinearTiming::default(), true);
+        for (id, &(l, salt)) in cases.iter().enumerate() {
+            let t = core.now_us() + 1_000;
+            assert!(core.arrive_keyed(t, id as u64, &prompt, 1, l, salt));
+            let notes = run(&mut core);
+            // Each is other blocks than the ones before it.
+            assert!(notes.contains(&Note::Admitted {
+                id: id as u64,
+                cached_blocks: 0,
+                at_us: t
+            }));
+        }
+        let mut batches = Vec::new();
+        core.take_batches(&mut batches);
+        let mut router = Router::builder().block_size(bs).build().unwrap();
+        let w = WorkerId::new(0);
+        router.add_worker(w);
+        let mut ingest = VllmIngest::new();
+        for b in batches {
+            let payload = crate::events::encode_batch(
+                &kvroute_vllm::EventBatch::new(0.0, b),
+                crate::events::WireShape::Map,
+            );
+            ingest
+                .apply_payload(&mut router, w, None, &payload)
+                .unwrap();
+        }
+        // The router, keying requests by the same rule, finds each one's blocks.
+        for (id, &(l, salt)) in cases.iter().enumerate() {
+            let keys = RequestKeys::new(l.map(|l| &*l.name), salt);
+            assert!(core
+                .engine()
+                .cache()
+                .contains(keys.block_hashes(bs, &prompt)[1]));
+            let rid = kvroute::RequestId::new(id as u64);
+            let extra = keys.extra_keys(bs, prompt.len());
+            let d = router
+                .route_tokens_keyed(rid, &prompt, &keys.salt(), &extra, kvroute::Role::Unified)
+                .unwrap();
+            router.finish(rid).unwrap();
+            assert_eq!(d.cache_hits, 2, "{keys:?}");
+        }
+        let unsalted = router
+            .route_tokens(kvroute::RequestId::new(9), &prompt, kvroute::Role::Unified)
+            .unwrap();
+        assert_eq!(unsalted.cache_hits, 0);
     }
 }

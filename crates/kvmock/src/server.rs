@@ -332,6 +332,8 @@ struct Prepared {
     chat: bool,
     /// The adapter the request names.
     lora: Option<Lora>,
+    /// vLLM's `cache_salt`: keys the prompt's first block.
+    cache_salt: Option<String>,
 }
 
 fn parse_body(endpoint: Endpoint, body: &Bytes) -> Result<Request, ApiError> {
@@ -413,6 +415,7 @@ fn finish_prepare(
         include_usage,
         chat,
         lora,
+        cache_salt: req.cache_salt.clone(),
     })
 }
 
@@ -551,7 +554,9 @@ async fn run(st: Arc<AppState>, p: Prepared, arrived: Instant) -> Response {
             .collect::<Vec<u8>>(),
     );
     let prompt_len = p.tokens.len();
-    let mut progress = st.engine.submit(n, arrived, p.tokens, p.max_tokens, p.lora);
+    let mut progress = st
+        .engine
+        .submit(n, arrived, p.tokens, p.max_tokens, p.lora, p.cache_salt);
     let codec = st.cfg.codec.clone();
     let seed = st.cfg.seed;
     let bs = st.cfg.block_size;

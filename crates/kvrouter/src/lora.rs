@@ -19,7 +19,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::RwLock;
 use std::time::Duration;
 
-use kvroute::Salt;
 use serde_json::Value;
 
 /// How often the workers' `/v1/models` are asked for their adapters.
@@ -44,14 +43,6 @@ impl Adapters {
                 .map(str::to_string)
                 .collect(),
             learned: RwLock::default(),
-        }
-    }
-
-    /// The salt of a request for `model`: the adapter's name if it is one, else none.
-    pub fn salt(&self, model: Option<&str>) -> Salt {
-        match model {
-            Some(m) if self.is_adapter(m) => Salt::lora(m),
-            _ => Salt::default(),
         }
     }
 
@@ -112,16 +103,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn configured_and_learned_adapters_salt_their_requests() {
+    fn configured_and_learned_adapters_are_known() {
         let a = Adapters::new(&["sql-lora=/adapters/sql".into(), " ".into()]);
-        assert_eq!(a.salt(Some("sql-lora")), Salt::lora("sql-lora"));
-        assert_eq!(a.salt(Some("base")), Salt::default());
-        assert_eq!(a.salt(None), Salt::default());
+        assert!(a.is_adapter("sql-lora") && !a.is_adapter("base") && !a.is_adapter(" "));
         let v = serde_json::json!({"data": [{"id": "base", "parent": null},
                                             {"id": "chat-lora", "parent": "base"}]});
         let none = serde_json::json!({"data": []});
         a.learn([("w0", Some(&v)), ("w1", Some(&none))]);
-        assert_eq!(a.salt(Some("chat-lora")), Salt::lora("chat-lora"));
+        assert!(a.is_adapter("chat-lora"));
         assert_eq!(a.names(), ["chat-lora", "sql-lora"]);
         // A worker that misses a poll keeps what it listed; one that answers without it, or
         // leaves, forgets it.

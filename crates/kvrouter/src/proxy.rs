@@ -13,6 +13,7 @@ use axum::routing::{get, post};
 use futures_util::StreamExt;
 use http_body_util::{BodyStream, Full};
 use kvroute::{RequestId, Role};
+use kvserve::keys::RequestKeys;
 use kvserve::openai::{self, Endpoint, Input, Request};
 use kvserve::tokenize;
 use serde_json::{json, Value};
@@ -110,10 +111,13 @@ fn request_of(
     server: &Server,
     endpoint: Endpoint,
     body: Body413,
-) -> Result<(Bytes, Request), ApiError> {
+) -> Result<(Bytes, Request, RequestKeys), ApiError> {
     let body = body_of(server, body)?;
     match openai::parse(endpoint, &body) {
-        Ok(req) => Ok((body, req)),
+        Ok(req) => {
+            let keys = RequestKeys::of(&req, |m| server.lora.is_adapter(m));
+            Ok((body, req, keys))
+        }
         Err(e) => Err(ApiError(
             StatusCode::BAD_REQUEST,
             "BadRequestError",
@@ -127,7 +131,7 @@ async fn completions(
     headers: header::HeaderMap,
     body: Body413,
 ) -> Response {
-    let (body, req) = match request_of(&server, Endpoint::Completions, body) {
+    let (body, req, keys) = match request_of(&server, Endpoint::Completions, body) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
@@ -139,7 +143,7 @@ async fn completions(
                 body,
                 headers.get(header::AUTHORIZATION),
                 &tokens,
-                &req,
+                &keys,
             )
             .await
         }
@@ -155,11 +159,11 @@ async fn chat(
     if server.text.is_none() {
         return bad("this router has no tokenizer (start it with --router-tokenizer-path): chat requests need one");
     }
-    let (body, req) = match request_of(&server, Endpoint::Chat, body) {
+    let (body, req, keys) = match request_of(&server, Endpoint::Chat, body) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    match chat_tokens(&server, &req) {
+    match chat_tokens(&server, &req, &keys) {
         Ok(tokens) => {
             forward(
                 server,
@@ -167,7 +171,7 @@ async fn chat(
                 body,
                 headers.get(header::AUTHORIZATION),
                 &tokens,
-                &req,
+                &keys,
             )
             .await
         }
@@ -180,11 +184,11 @@ async fn chat(
 /// [`tokenize::chat_text_before`]), less its last token (a tokenizer may merge it with what
 /// follows). Nothing when the template hides where that content starts: the request is then
 /// routed on load alone.
-fn chat_tokens(server: &Server, req: &Request) -> Result<Vec<u32>, String> {
+fn chat_tokens(server: &Server, req: &Request, keys: &RequestKeys) -> Result<Vec<u32>, String> {
     let (Some((_, template)), Input::Messages(msgs)) = (&server.text, &req.input) else {
         return Err(NO_TOKENIZER.into());
     };
-    match req.first_media_message() {
+    match keys.first_media_message() {
         None => encode(server, &tokenize::chat_text(template, msgs)?, false),
         Some(first) => match tokenize::chat_text_before(template, msgs, first) {
             Some(text) => {
@@ -222,19 +226,11 @@ async fn forward(
     body: Bytes,
     auth: Option<&header::HeaderValue>,
     tokens: &[u32],
-    req: &Request,
+    keys: &RequestKeys,
 ) -> Response {
-    let keys = match &req.cache_salt {
-        None => Vec::new(),
-        Some(salt) => kvblock::vllm_extra_keys(
-            kvblock::BlockSize::new(server.cfg.block_size).unwrap_or_default(),
-            tokens.len(),
-            &[],
-            Some(salt),
-        ),
-    };
-    // A LoRA adapter's blocks are keyed by its name (see `crate::lora`).
-    let salt = server.lora.salt(req.model.as_deref());
+    // The one keying rule (LoRA adapter, cache salt), shared with the engine emulator.
+    let bs = kvblock::BlockSize::new(server.cfg.block_size).unwrap_or_default();
+    let (salt, extra) = (keys.salt(), keys.extra_keys(bs, tokens.len()));
     for _ in 0..server.workers().len().max(1) {
         let id = server.next_request_id();
         let started = Instant::now();
@@ -243,7 +239,7 @@ async fn forward(
             mirror.router.set_clock(server.started.elapsed());
             let d = mirror
                 .router
-                .route_tokens_keyed(id, tokens, &salt, &keys, Role::Unified);
+                .route_tokens_keyed(id, tokens, &salt, &extra, Role::Unified);
             server.flush_deltas(&mut mirror.router);
             d
         };

@@ -4,6 +4,8 @@
 //! - [`openai`]: what a router or an engine reads of an OpenAI completions or chat request body
 //!   (prompt text or token ids, chat messages and their media parts, model, `stream`,
 //!   `max_tokens`, vLLM's `cache_salt`), with errors naming the field;
+//! - [`keys`]: the one rule that keys a request's blocks besides its tokens (LoRA adapter,
+//!   `cache_salt`, where media cut a chat prompt), for the router and the emulator alike;
 //! - [`tokenize`]: a Hugging Face `tokenizer.json` and the chat template of
 //!   `tokenizer_config.json` (minijinja), or one token per byte without a tokenizer: the router's
 //!   tokens must be the engine's, or its block hashes are not the engine's;
@@ -17,7 +19,7 @@
 //! | `tokenize` | on | [`tokenize`] | the `tokenizers`, `minijinja` and `xxhash-rust` crates |
 //! | `etcd` | on | [`etcd`] | `tokio`, `hyper` (a client), `serde`, `base64` |
 //!
-//! [`openai`] is always there (it needs only `serde_json`).
+//! [`openai`] and [`keys`] are always there (they need `serde_json` and kvkit's routing crates).
 //!
 //! ```
 //! # #[cfg(feature = "tokenize")] {
@@ -43,6 +45,7 @@
 mod error;
 #[cfg(feature = "etcd")]
 pub mod etcd;
+pub mod keys;
 pub mod openai;
 #[cfg(feature = "tokenize")]
 pub mod tokenize;
