@@ -279,12 +279,21 @@ fn a_replica_killed_under_load_catches_up_exactly() {
     wait_until("b stores a snapshot", || {
         b.metric("kvrouter_snapshots_total") >= 1.0
     });
+    let applied = |k: &Kvrouter| k.metric("kvrouter_kv_batches_applied_total");
+    let at_kill = applied(&a);
     drop(b); // SIGKILL
-    std::thread::sleep(Duration::from_millis(700));
+             // The load goes on while b is down: batches it will have to catch up on.
+    wait_until("a applies batches while b is down", || {
+        applied(&a) >= at_kill + 10.0
+    });
     let b = replica(b_port, &[&e0, &e1], &nats, &snap);
     let catch_up = b.metric("kvrouter_catch_up_seconds");
     assert_eq!(b.metric("kvrouter_snapshot_restored"), 1.0);
-    std::thread::sleep(Duration::from_millis(500));
+    // And on after b is back: batches it applies live.
+    let at_restore = applied(&b);
+    wait_until("b applies live batches", || {
+        applied(&b) >= at_restore + 10.0
+    });
     stop.store(true, Ordering::Relaxed);
     let sent = load.join().unwrap();
     assert!(sent > 20, "only {sent} requests under load");

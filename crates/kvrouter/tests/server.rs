@@ -378,11 +378,15 @@ fn an_engine_killed_mid_stream_ends_the_response_and_releases_the_load() {
     .to_string();
     let sport = server.port;
     let client = std::thread::spawn(move || http(sport, "POST", "/v1/completions", Some(&body)));
-    // Wait until the stream is under way, then kill the engine.
-    common::eventually("the request is in flight", Duration::from_secs(10), || {
-        server.get_json("/v1/admin/workers")["workers"][0]["in_flight"] == 1
+    // Wait until the stream is under way (the engine produced its first token), then kill the
+    // engine.
+    let engine_port = a.port;
+    common::eventually("the first token is out", Duration::from_secs(10), || {
+        let (_, metrics) = http(engine_port, "GET", "/metrics", None);
+        metrics
+            .lines()
+            .any(|l| l.starts_with("vllm:time_to_first_token_seconds_count") && !l.ends_with(" 0"))
     });
-    std::thread::sleep(Duration::from_millis(300));
     let _ = a.proc.0.kill();
     let _ = a.proc.0.wait();
     let (status, text) = client.join().unwrap();
