@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 use kvsim::{EngineConfig, LinearTiming};
 use tokio::sync::mpsc as tmpsc;
 
-use crate::clock;
 use crate::engine_loop::{Core, Counters, Lora, Note};
 use crate::events::Publisher;
 
@@ -121,7 +120,7 @@ fn run(
         std::collections::HashMap::new();
     let mut notes = Vec::new();
     let mut batches = Vec::new();
-    clock::precise_timers();
+    kvserve::clock::precise_timers();
     loop {
         let got = match core.next_deadline() {
             Some(t) => recv_until(&rx, wall(t)),
@@ -182,14 +181,14 @@ fn run(
 
 /// Waits for a request until `deadline`, on time (see [`clock`](crate::clock)).
 fn recv_until(rx: &mpsc::Receiver<Submit>, deadline: Instant) -> Result<Submit, RecvTimeoutError> {
-    let sleep = clock::sleep_part(deadline);
+    let sleep = kvserve::clock::sleep_part(deadline);
     if !sleep.is_zero() {
         match rx.recv_timeout(sleep) {
             Err(RecvTimeoutError::Timeout) => {}
             got => return got,
         }
     }
-    clock::poll_until(deadline, || match rx.try_recv() {
+    kvserve::clock::poll_until(deadline, || match rx.try_recv() {
         Ok(s) => Some(Ok(s)),
         Err(mpsc::TryRecvError::Disconnected) => Some(Err(RecvTimeoutError::Disconnected)),
         Err(mpsc::TryRecvError::Empty) => None,

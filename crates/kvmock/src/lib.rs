@@ -23,7 +23,6 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
-mod clock;
 pub mod driver;
 pub mod engine_loop;
 pub mod error;

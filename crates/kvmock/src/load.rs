@@ -316,9 +316,9 @@ fn ticker(times: Vec<Instant>) -> Ticks {
     let spawned = std::thread::Builder::new()
         .name("kvload-ticker".into())
         .spawn(move || {
-            crate::clock::precise_timers();
+            kvserve::clock::precise_timers();
             for at in thread_times {
-                crate::clock::sleep_until(at);
+                kvserve::clock::sleep_until(at);
                 if tx.send(()).is_err() {
                     break;
                 }

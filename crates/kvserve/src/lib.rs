@@ -9,6 +9,7 @@
 //! - [`tokenize`]: a Hugging Face `tokenizer.json` and the chat template of
 //!   `tokenizer_config.json` (minijinja), or one token per byte without a tokenizer: the router's
 //!   tokens must be the engine's, or its block hashes are not the engine's;
+//! - [`clock`]: waiting until an instant on time, for the emulator's engine and `kvload`;
 //! - [`etcd`]: the record a worker registers for discovery and a minimal client of etcd's v3
 //!   JSON gateway.
 //!
@@ -17,6 +18,7 @@
 //! | feature | default | what it adds | what it costs |
 //! |---|---|---|---|
 //! | `tokenize` | on | [`tokenize`] | the `tokenizers`, `minijinja` and `xxhash-rust` crates |
+//! | `clock` | on | [`clock`] | `nix` on Linux (the timer slack) |
 //! | `etcd` | on | [`etcd`] | `tokio`, `hyper` (a client), `serde`, `base64` |
 //!
 //! [`openai`] and [`keys`] are always there (they need `serde_json` and kvkit's routing crates).
@@ -42,6 +44,8 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
+#[cfg(feature = "clock")]
+pub mod clock;
 mod error;
 #[cfg(feature = "etcd")]
 pub mod etcd;

@@ -1,4 +1,4 @@
-//! Waiting until an instant on time. A timed sleep here wakes 100 to 300 µs late (timer slack,
+//! Waiting until an instant on time (the engine emulator's steps and `kvload`'s arrivals). A timed sleep here wakes 100 to 300 µs late (timer slack,
 //! a virtual machine's wake-up), and `--speedup 10` makes that up to 3 ms of emulated time on
 //! every token or arrival; so a waiter sleeps until shortly before the instant and then polls.
 //! The poll yields the CPU but keeps it busy: a thread whose deadlines come less than 200 µs
@@ -11,14 +11,24 @@ const POLL: Duration = Duration::from_micros(200);
 
 /// Asks Linux for the finest timer slack on the calling thread (by default a sleep may end
 /// 50 µs late); elsewhere a no-op. Call it once on a thread that waits with this module.
-pub(crate) fn precise_timers() {
+///
+/// ```
+/// use std::time::{Duration, Instant};
+/// use kvserve::clock::{precise_timers, sleep_until};
+///
+/// precise_timers();
+/// let deadline = Instant::now() + Duration::from_micros(500);
+/// sleep_until(deadline);
+/// assert!(Instant::now() >= deadline);
+/// ```
+pub fn precise_timers() {
     // A failure only leaves the default slack.
     #[cfg(target_os = "linux")]
     let _ = nix::sys::prctl::set_timerslack(1);
 }
 
 /// How long to sleep before polling for `deadline` (zero: poll now).
-pub(crate) fn sleep_part(deadline: Instant) -> Duration {
+pub fn sleep_part(deadline: Instant) -> Duration {
     deadline
         .saturating_duration_since(Instant::now())
         .saturating_sub(POLL)
@@ -26,7 +36,7 @@ pub(crate) fn sleep_part(deadline: Instant) -> Duration {
 
 /// Polls `ready` until it returns `Some` or `deadline` passes (then `None`), yielding the CPU
 /// between polls.
-pub(crate) fn poll_until<T>(deadline: Instant, mut ready: impl FnMut() -> Option<T>) -> Option<T> {
+pub fn poll_until<T>(deadline: Instant, mut ready: impl FnMut() -> Option<T>) -> Option<T> {
     loop {
         if let Some(v) = ready() {
             return Some(v);
@@ -39,7 +49,7 @@ pub(crate) fn poll_until<T>(deadline: Instant, mut ready: impl FnMut() -> Option
 }
 
 /// Blocks the calling thread until `deadline`, on time.
-pub(crate) fn sleep_until(deadline: Instant) {
+pub fn sleep_until(deadline: Instant) {
     std::thread::sleep(sleep_part(deadline));
     poll_until(deadline, || None::<()>);
 }
