@@ -68,7 +68,7 @@ impl EngineHandle {
             .name("kvmock-engine".into())
             .spawn(move || run(cfg, timing, speedup, publisher, rx, shared))
             .map(|_| ())
-            .unwrap_or_else(|e| eprintln!("kvmock: cannot start the engine thread: {e}"));
+            .unwrap_or_else(|e| tracing::error!("cannot start the engine thread: {e}"));
         EngineHandle { tx, counters }
     }
 

@@ -212,7 +212,7 @@ async fn run_publisher(task: PubTask, mut rx: mpsc::UnboundedReceiver<Vec<Engine
     if let Some(to) = connect {
         // Connecting (to a proxy) waits for the peer; events queue meanwhile.
         if let Err(e) = publ.connect(&to).await {
-            eprintln!("kvmock: kv events endpoint {to}: {e}");
+            tracing::error!("kv events endpoint {to}: {e}");
             return;
         }
     }

@@ -327,8 +327,8 @@ fn ticker(times: Vec<Instant>) -> Ticks {
     match spawned {
         Ok(_) => Ticks::Thread(rx),
         Err(e) => {
-            eprintln!(
-                "kvload: cannot start the send-timing thread ({e}); sending on tokio's 1 ms timer"
+            tracing::warn!(
+                "cannot start the send-timing thread ({e}); sending on tokio's 1 ms timer"
             );
             Ticks::Timer(times.into_iter())
         }

@@ -121,6 +121,11 @@ pub struct Config {
     /// Adapters the workers list in /v1/models (with a parent) are learned as well, every 2 s.
     #[arg(long, num_args = 1.., value_delimiter = ',', value_name = "NAME[=PATH]", value_parser = parse_lora_module)]
     pub lora_modules: Vec<String>,
+    /// Log lines on standard error: text, or one JSON object per line. RUST_LOG filters them
+    /// (default info; kvrouter=debug adds one line per routing decision). A request's lines
+    /// carry its id (the client's x-request-id, or one the router gives and sends on).
+    #[arg(long, global = true, default_value = "text", value_name = "text|json")]
+    pub log_format: kvserve::logging::LogFormat,
     /// A sidecar instead of the server (`kvrouter relay --help`).
     #[command(subcommand)]
     pub command: Option<Command>,

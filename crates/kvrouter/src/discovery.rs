@@ -54,7 +54,7 @@ pub async fn watch_etcd(server: Arc<Server>, endpoint: String) {
         match etcd.range_prefix(PREFIX).await {
             Err(e) => {
                 if !unreachable {
-                    eprintln!("kvrouter: etcd discovery: {e} (retrying)");
+                    tracing::warn!("etcd discovery: {e} (retrying)");
                 }
                 unreachable = true;
             }
@@ -69,7 +69,7 @@ pub async fn watch_etcd(server: Arc<Server>, endpoint: String) {
                 for k in gone {
                     if let Some((_, name)) = known.remove(&k) {
                         server.remove_worker(&name);
-                        eprintln!("kvrouter: worker {name} left ({k})");
+                        tracing::info!("worker {name} left ({k})");
                     }
                 }
                 refused.retain(|k, v| now.get(k) == Some(v));
@@ -80,12 +80,12 @@ pub async fn watch_etcd(server: Arc<Server>, endpoint: String) {
                     let added = spec_of(&server, k, v).and_then(|spec| server.add_worker(spec));
                     match added {
                         Ok(w) => {
-                            eprintln!("kvrouter: worker {} joined ({k})", w.spec.name);
+                            tracing::info!("worker {} joined ({k})", w.spec.name);
                             follow_events(&server, &w);
                             known.insert(k.clone(), (v.clone(), w.spec.name.clone()));
                         }
                         Err(e) => {
-                            eprintln!("kvrouter: etcd discovery: {e}");
+                            tracing::warn!("etcd discovery: {e}");
                             refused.insert(k.clone(), v.clone());
                         }
                     }

@@ -80,9 +80,10 @@ pub async fn on_message(server: &Server, worker: &Worker, frames: &[Bytes]) {
                         }
                     }
                 }
-                Err(e) => eprintln!(
-                    "kvrouter: replay from {} of worker {} failed: {e}",
-                    replay, worker.spec.name
+                Err(e) => tracing::warn!(
+                    "replay from {} of worker {} failed: {e}",
+                    replay,
+                    worker.spec.name
                 ),
             }
         }
@@ -143,8 +144,8 @@ fn count(server: &Server, worker: &Worker, r: &Result<IngestSummary, VllmError>)
         }
         Err(e) => {
             c.batches_rejected.fetch_add(1, Ordering::Relaxed);
-            eprintln!(
-                "kvrouter: KV-event batch of worker {} rejected: {e}",
+            tracing::warn!(
+                "KV-event batch of worker {} rejected: {e}",
                 worker.spec.name
             );
             false

@@ -30,8 +30,8 @@ pub(crate) async fn follow(server: Arc<Server>, worker: Arc<Worker>) {
     let subject = subject_of(&worker.spec.name);
     loop {
         if let Err(e) = follow_once(&server, &worker, &nats, &subject).await {
-            eprintln!(
-                "kvrouter: JetStream events of worker {}: {e} (retrying)",
+            tracing::warn!(
+                "JetStream events of worker {}: {e} (retrying)",
                 worker.spec.name
             );
         }
@@ -56,8 +56,8 @@ async fn follow_once(
     if position.is_some_and(|p| p > last) {
         // The stream is younger than the mirror (it was deleted, or NATS lost its store):
         // what the mirror holds cannot be followed; start it afresh from the new stream.
-        eprintln!(
-            "kvrouter: the events stream ends before worker {}'s position: its mirror starts afresh",
+        tracing::warn!(
+            "the events stream ends before worker {}'s position: its mirror starts afresh",
             worker.spec.name
         );
         let mut m = server.mirror();
@@ -118,8 +118,8 @@ async fn follow_once(
             }
             None => {
                 skip(server, worker, position);
-                eprintln!(
-                    "kvrouter: message {position} of {subject} has no {SEQ_HEADER} header: skipped"
+                tracing::warn!(
+                    "message {position} of {subject} has no {SEQ_HEADER} header: skipped"
                 );
             }
         }
@@ -195,11 +195,9 @@ pub(crate) async fn snapshot_loop(server: Arc<Server>, every: u64) {
             Ok(bytes) => {
                 last = now;
                 server.counters.snapshots.fetch_add(1, Ordering::Relaxed);
-                if std::env::var_os("KVROUTER_LOG").is_some_and(|v| v == "debug") {
-                    eprintln!("kvrouter: snapshot stored ({bytes} bytes)");
-                }
+                tracing::debug!("snapshot stored ({bytes} bytes)");
             }
-            Err(e) => eprintln!("kvrouter: snapshot not stored: {e}"),
+            Err(e) => tracing::warn!("snapshot not stored: {e}"),
         }
     }
 }
@@ -258,7 +256,7 @@ pub(crate) async fn publish_deltas(
             continue;
         };
         if let Err(e) = nats.client.publish(subject.clone(), bytes.into()).await {
-            eprintln!("kvrouter: load deltas not published: {e}");
+            tracing::warn!("load deltas not published: {e}");
         }
     }
 }
@@ -272,7 +270,7 @@ pub(crate) async fn apply_deltas(server: Arc<Server>) {
     let mut sub = match nats.client.subscribe(format!("{LOAD_PREFIX}>")).await {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("kvrouter: cannot subscribe to load deltas: {e}");
+            tracing::warn!("cannot subscribe to load deltas: {e}");
             return;
         }
     };
@@ -342,7 +340,7 @@ pub(crate) async fn catch_up(server: &Server, nats: &Nats) -> Result<Duration, S
             match last_on_subject(&stream, &subject).await {
                 Ok(m) => break m.map(|m| m.sequence),
                 Err(e) => {
-                    eprintln!("kvrouter: catching up: {e} (retrying)");
+                    tracing::warn!("catching up: {e} (retrying)");
                     tokio::time::sleep(Duration::from_millis(500)).await;
                 }
             }
@@ -352,8 +350,8 @@ pub(crate) async fn catch_up(server: &Server, nats: &Nats) -> Result<Duration, S
         let mut waited = Instant::now();
         while !done() {
             if waited.elapsed() >= Duration::from_secs(5) {
-                eprintln!(
-                    "kvrouter: still catching up with worker {}'s events (at {:?} of {last:?})",
+                tracing::info!(
+                    "still catching up with worker {}'s events (at {:?} of {last:?})",
                     w.spec.name,
                     server.mirror().ingest.position(w.id)
                 );

@@ -115,11 +115,13 @@ pub async fn serve(
             match feeds::load_snapshot(&nats).await {
                 Ok(Some((ids, mirror))) => {
                     if let Err(e) = server.restore(ids, mirror) {
-                        eprintln!("kvrouter: snapshot not restored ({e}): replaying the stream from its start");
+                        tracing::warn!(
+                            "snapshot not restored ({e}): replaying the stream from its start"
+                        );
                     }
                 }
                 Ok(None) => {}
-                Err(e) => eprintln!("kvrouter: {e}: replaying the stream from its start"),
+                Err(e) => tracing::warn!("{e}: replaying the stream from its start"),
             }
         }
         let _ = server.nats.set(nats);
@@ -151,8 +153,8 @@ pub async fn serve(
             took.as_millis() as u64,
             std::sync::atomic::Ordering::Relaxed,
         );
-        eprintln!(
-            "kvrouter: caught up with the KV-event stream in {} ms",
+        tracing::info!(
+            "caught up with the KV-event stream in {} ms",
             took.as_millis()
         );
         if snapshot_every > 0 {

@@ -4,6 +4,7 @@ use clap::Parser;
 
 fn main() {
     let cfg = kvrouter::Config::parse();
+    kvserve::logging::init(cfg.log_format);
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
@@ -21,8 +22,8 @@ fn main() {
         }
         return;
     }
-    eprintln!(
-        "kvrouter: listening on {}:{} with {} worker(s)",
+    tracing::info!(
+        "listening on {}:{} with {} worker(s)",
         cfg.host,
         cfg.port,
         cfg.workers.len()

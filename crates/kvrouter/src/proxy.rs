@@ -17,6 +17,7 @@ use kvserve::keys::RequestKeys;
 use kvserve::openai::{self, Endpoint, Input, Request};
 use kvserve::tokenize;
 use serde_json::{json, Value};
+use tracing::Instrument;
 
 use crate::state::{Server, Worker};
 
@@ -34,7 +35,38 @@ pub fn app(server: Arc<Server>) -> axum::Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&server),
+            with_request_id,
+        ))
         .with_state(server)
+}
+
+/// The request id header: the client's, or one the router gives; sent on to the engine and
+/// back to the client.
+static REQUEST_ID: header::HeaderName = header::HeaderName::from_static("x-request-id");
+
+/// Runs a request in a span carrying its id, so that every log line of the request names it.
+async fn with_request_id(
+    State(server): State<Arc<Server>>,
+    mut req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let given = req.headers().get(&REQUEST_ID).filter(|v| !v.is_empty());
+    let id = match given {
+        Some(v) => v.clone(),
+        None => {
+            let fresh = format!("kvr-{:016x}", server.next_request_id().get());
+            let v = header::HeaderValue::from_str(&fresh)
+                .unwrap_or(header::HeaderValue::from_static("kvr"));
+            req.headers_mut().insert(REQUEST_ID.clone(), v.clone());
+            v
+        }
+    };
+    let span = tracing::info_span!("request", request_id = %String::from_utf8_lossy(id.as_bytes()));
+    let mut resp = next.run(req).instrument(span).await;
+    resp.headers_mut().insert(REQUEST_ID.clone(), id);
+    resp
 }
 
 /// An OpenAI-shaped error.
@@ -136,17 +168,7 @@ async fn completions(
         Err(e) => return e.into_response(),
     };
     match tokenize::prompt_tokens(&req.input, |t| encode(&server, t, true)) {
-        Ok(tokens) => {
-            forward(
-                server,
-                "/v1/completions",
-                body,
-                headers.get(header::AUTHORIZATION),
-                &tokens,
-                &keys,
-            )
-            .await
-        }
+        Ok(tokens) => forward(server, "/v1/completions", body, &headers, &tokens, &keys).await,
         Err(e) => bad(e),
     }
 }
@@ -169,7 +191,7 @@ async fn chat(
                 server,
                 "/v1/chat/completions",
                 body,
-                headers.get(header::AUTHORIZATION),
+                &headers,
                 &tokens,
                 &keys,
             )
@@ -224,7 +246,7 @@ async fn forward(
     server: Arc<Server>,
     path: &str,
     body: Bytes,
-    auth: Option<&header::HeaderValue>,
+    headers: &header::HeaderMap,
     tokens: &[u32],
     keys: &RequestKeys,
 ) -> Response {
@@ -271,8 +293,11 @@ async fn forward(
         log::decision(&worker, &d);
         let mut req = hyper::Request::post(format!("{}{path}", worker.spec.url))
             .header(header::CONTENT_TYPE, "application/json");
-        if let Some(auth) = auth {
-            req = req.header(header::AUTHORIZATION, auth.clone());
+        // The client's credentials, and the request id (vLLM names its request by it).
+        for name in [header::AUTHORIZATION, REQUEST_ID.clone()] {
+            if let Some(v) = headers.get(&name) {
+                req = req.header(name, v.clone());
+            }
         }
         let req = req.body(Full::new(body.clone()));
         let req = match req {
@@ -308,10 +333,7 @@ async fn forward(
             }
             Err(e) if e.is_connect() => {
                 worker.upstream_errors.fetch_add(1, Ordering::Relaxed);
-                eprintln!(
-                    "kvrouter: worker {} refused the connection: {e}",
-                    worker.spec.name
-                );
+                tracing::warn!("worker {} refused the connection: {e}", worker.spec.name);
                 drop(guard);
                 server.set_down(&worker, true);
             }
@@ -491,13 +513,14 @@ mod log {
 
     use crate::state::Worker;
 
-    /// One line per decision when `KVROUTER_LOG=debug`.
+    /// One line per decision at `RUST_LOG=kvrouter=debug`, in the request's span.
     pub(super) fn decision(w: &Worker, d: &Decision) {
-        if std::env::var_os("KVROUTER_LOG").is_some_and(|v| v == "debug") {
-            eprintln!(
-                "kvrouter: routed to {} with {} of {} blocks cached, cost {}",
-                w.spec.name, d.cache_hits, d.request_blocks, d.cost
-            );
-        }
+        tracing::debug!(
+            worker = %w.spec.name,
+            hits = d.cache_hits,
+            blocks = d.request_blocks,
+            cost = d.cost,
+            "routed"
+        );
     }
 }

@@ -47,7 +47,7 @@ pub async fn run(
         match last_on_subject(&stream, &subject).await {
             Ok(m) => break m,
             Err(e) => {
-                eprintln!("kvrouter relay: {e} (retrying)");
+                tracing::warn!("{e} (retrying)");
                 tokio::time::sleep(Duration::from_millis(500)).await;
             }
         }
@@ -57,8 +57,8 @@ pub async fn run(
         seq: header_u64(Some(&m.headers), SEQ_HEADER).unwrap_or(0),
     });
     let events = args.worker.events.clone().unwrap_or_default();
-    eprintln!(
-        "kvrouter relay: {events} -> {subject} (last published: {})",
+    tracing::info!(
+        "{events} -> {subject} (last published: {})",
         at.map_or("none".to_string(), |p| format!(
             "batch {} of run {}",
             p.seq, p.epoch
@@ -70,17 +70,11 @@ pub async fn run(
             while let Ok(msg) = sub.recv().await {
                 let frames = msg.into_vec();
                 let [_, seq, payload] = &frames[..] else {
-                    eprintln!(
-                        "kvrouter relay: a message of {} frames (expected 3): dropped",
-                        frames.len()
-                    );
+                    tracing::warn!("a message of {} frames (expected 3): dropped", frames.len());
                     continue;
                 };
                 let Ok(seq) = parse_seq_frame(seq) else {
-                    eprintln!(
-                        "kvrouter relay: a sequence frame of {} bytes: dropped",
-                        seq.len()
-                    );
+                    tracing::warn!("a sequence frame of {} bytes: dropped", seq.len());
                     continue;
                 };
                 at = Some(relay(&nats, &subject, &args, at, seq, payload.clone()).await);
@@ -108,9 +102,10 @@ async fn relay(
         None => (0, 0),
         // A live publisher never repeats a number: it started over.
         Some(p) if seq <= p.seq => {
-            eprintln!(
-                "kvrouter relay: {} started over (batch {seq} after {})",
-                args.worker.name, p.seq
+            tracing::warn!(
+                "{} started over (batch {seq} after {})",
+                args.worker.name,
+                p.seq
             );
             (p.epoch + 1, 0)
         }
@@ -124,8 +119,8 @@ async fn relay(
                         publish(nats, subject, epoch, s, p).await;
                     }
                 }
-                Err(e) => eprintln!(
-                    "kvrouter relay: replay of batches {expected}..{seq} from {replay} failed: {e}; the gap stays"
+                Err(e) => tracing::warn!(
+                    "replay of batches {expected}..{seq} from {replay} failed: {e}; the gap stays"
                 ),
             }
         }
@@ -154,7 +149,7 @@ async fn publish(nats: &Nats, subject: &str, epoch: u64, seq: u64, payload: Byte
         match acked {
             Ok(()) => return,
             Err(e) => {
-                eprintln!("kvrouter relay: batch {seq} not stored yet: {e} (retrying)");
+                tracing::warn!("batch {seq} not stored yet: {e} (retrying)");
                 tokio::time::sleep(wait).await;
                 wait = (wait * 2).min(Duration::from_secs(2));
                 // The stream may be gone (deleted, or a NATS server that lost its store).

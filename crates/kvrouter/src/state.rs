@@ -368,8 +368,8 @@ impl Server {
         if w.down.swap(down, Ordering::Relaxed) != down {
             m.router.set_routable(w.id, !down);
             drop(m);
-            eprintln!(
-                "kvrouter: worker {} is {}",
+            tracing::info!(
+                "worker {} is {}",
                 w.spec.name,
                 if down { "down" } else { "up again" }
             );

@@ -10,6 +10,7 @@
 //!   `tokenizer_config.json` (minijinja), or one token per byte without a tokenizer: the router's
 //!   tokens must be the engine's, or its block hashes are not the engine's;
 //! - [`clock`]: waiting until an instant on time, for the emulator's engine and `kvload`;
+//! - [`logging`]: the serving binaries' log lines, text or JSON, filtered by `RUST_LOG`;
 //! - [`etcd`]: the record a worker registers for discovery and a minimal client of etcd's v3
 //!   JSON gateway.
 //!
@@ -19,6 +20,7 @@
 //! |---|---|---|---|
 //! | `tokenize` | on | [`tokenize`] | the `tokenizers`, `minijinja` and `xxhash-rust` crates |
 //! | `clock` | on | [`clock`] | `nix` on Linux (the timer slack) |
+//! | `logging` | on | [`logging`] | `tracing-subscriber` |
 //! | `etcd` | on | [`etcd`] | `tokio`, `hyper` (a client), `serde`, `base64` |
 //!
 //! [`openai`] and [`keys`] are always there (they need `serde_json` and kvkit's routing crates).
@@ -50,6 +52,8 @@ mod error;
 #[cfg(feature = "etcd")]
 pub mod etcd;
 pub mod keys;
+#[cfg(feature = "logging")]
+pub mod logging;
 pub mod openai;
 #[cfg(feature = "tokenize")]
 pub mod tokenize;

@@ -19,6 +19,10 @@ use kvsim::SimConfig;
 #[derive(Debug, Parser)]
 #[command(name = "kvload", version, about, long_about, after_help = EXAMPLES, allow_negative_numbers = true)]
 struct Cli {
+    /// Log lines on standard error: text, or one JSON object per line, filtered by RUST_LOG
+    /// (default info).
+    #[arg(long, default_value = "text", value_name = "text|json")]
+    log_format: kvserve::logging::LogFormat,
     /// The endpoint, http://HOST:PORT; repeat it (or separate with commas) to spread requests
     /// round-robin over several (router replicas).
     #[arg(long, value_name = "URL", required = true, value_delimiter = ',')]
@@ -128,6 +132,7 @@ fn main() {
             std::process::exit(2);
         }
     };
+    kvserve::logging::init(cli.log_format);
     if let Some(bad) = cli.endpoint.iter().find(|e| !e.starts_with("http://")) {
         fail("--endpoint", format!("{bad:?}: expected http://HOST:PORT"));
     }

@@ -18,6 +18,10 @@ use kvsim::{EngineConfig, LinearTiming};
 #[derive(Debug, Parser)]
 #[command(name = "kvmock", version, about, long_about, after_help = EXAMPLES, allow_negative_numbers = true)]
 struct Cli {
+    /// Log lines on standard error: text, or one JSON object per line, filtered by RUST_LOG
+    /// (default info).
+    #[arg(long, default_value = "text", value_name = "text|json")]
+    log_format: kvserve::logging::LogFormat,
     /// Address to listen on.
     #[arg(long, default_value = "0.0.0.0", value_name = "HOST")]
     host: String,
@@ -214,8 +218,8 @@ async fn serve(cli: Cli, s: Setup) -> Result<(), MockError> {
     let listener = tokio::net::TcpListener::bind(&addr)
         .await
         .map_err(|e| MockError::Io(format!("cannot listen on {addr}: {e}")))?;
-    eprintln!(
-        "kvmock: serving {} on http://{addr} (block size {}, {} KV blocks, speedup {}){}",
+    tracing::info!(
+        "serving {} on http://{addr} (block size {}, {} KV blocks, speedup {}){}",
         cli.served_model_name,
         cli.block_size,
         cli.num_gpu_blocks
@@ -293,6 +297,7 @@ fn main() {
             std::process::exit(2);
         }
     };
+    kvserve::logging::init(cli.log_format);
     let s = match setup(&cli) {
         Ok(s) => s,
         Err(e) => {

@@ -1,0 +1,107 @@
+//! The router server's logs: JSON lines with `--log-format json`, filtered by `RUST_LOG`, and a
+//! request's lines carrying its id (the client's `x-request-id`, or one the router gives).
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::{eventually, wait_healthy, Engine, Proc};
+use kvtest::net::free_port;
+use serde_json::Value;
+
+/// POSTs a completion with extra header lines; the response's head.
+fn post_with(port: u16, extra_headers: &str) -> String {
+    let body = r#"{"prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], "max_tokens": 2}"#;
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{extra_headers}\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    let (head, _) = raw.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{raw}");
+    head.to_ascii_lowercase()
+}
+
+fn lines(log: &std::path::Path) -> Vec<Value> {
+    std::fs::read_to_string(log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect()
+}
+
+/// The request id of each `routed` line.
+fn routed_ids(log: &std::path::Path) -> Vec<String> {
+    lines(log)
+        .iter()
+        .filter(|l| l["fields"]["message"] == "routed")
+        .map(|l| l["span"]["request_id"].as_str().unwrap_or("").to_string())
+        .collect()
+}
+
+#[test]
+fn json_lines_carry_the_request_id_and_rust_log_filters_them() {
+    let engine = Engine::start();
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("kvrouter.log");
+    let port = free_port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvrouter"))
+        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .args(["--worker", &engine.spec(), "--log-format", "json"])
+        .env("RUST_LOG", "kvrouter::proxy=debug,warn")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    wait_healthy(port, &mut child, "kvrouter");
+    let _router = Proc(child);
+
+    // The client's id: sent back, and on the decision's line.
+    let head = post_with(port, "x-request-id: req-42\r\n");
+    assert!(head.contains("\r\nx-request-id: req-42"), "{head}");
+    eventually("the decision is logged", Duration::from_secs(10), || {
+        routed_ids(&log).contains(&"req-42".to_string())
+    });
+    let routed = lines(&log)
+        .into_iter()
+        .find(|l| l["fields"]["message"] == "routed")
+        .unwrap();
+    assert_eq!(routed["level"], "DEBUG");
+    assert_eq!(
+        routed["fields"]["worker"],
+        format!("127.0.0.1:{}", engine.port)
+    );
+    assert_eq!(routed["fields"]["blocks"], 1);
+
+    // None given: the router gives one, and logs under it.
+    let head = post_with(port, "");
+    let given = head
+        .lines()
+        .find_map(|l| l.strip_prefix("x-request-id: "))
+        .expect("an id in the response")
+        .to_string();
+    assert!(given.starts_with("kvr-"), "{given}");
+    eventually(
+        "the second decision is logged",
+        Duration::from_secs(10),
+        || routed_ids(&log).contains(&given),
+    );
+    // kvrouter::proxy=debug,warn: the startup line (info, another module) is filtered out.
+    assert!(
+        lines(&log).iter().all(|l| !l["fields"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("listening")),
+        "{:?}",
+        lines(&log)
+    );
+}
