@@ -83,12 +83,34 @@ pub struct Counters {
     pub ttft_sum_s: f64,
     /// Requests that produced a first token.
     pub ttft_count: u64,
+    /// Time between a request's consecutive output tokens in emulated seconds: cumulative
+    /// counts per bucket of [`ITL_BUCKETS_S`].
+    pub itl_buckets: [u64; ITL_BUCKETS_S.len()],
+    /// Sum of those times, emulated seconds.
+    pub itl_sum_s: f64,
+    /// Output tokens after a first one.
+    pub itl_count: u64,
+}
+
+/// Counts `s` into a cumulative histogram over `bounds`.
+fn observe(buckets: &mut [u64], bounds: &[f64], sum_s: &mut f64, count: &mut u64, s: f64) {
+    *sum_s += s;
+    *count += 1;
+    for (b, &le) in buckets.iter_mut().zip(bounds) {
+        *b += u64::from(s <= le);
+    }
 }
 
 /// vLLM's buckets of `vllm:time_to_first_token_seconds`.
 pub const TTFT_BUCKETS_S: [f64; 22] = [
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+
+/// vLLM's buckets of `vllm:inter_token_latency_seconds`.
+pub const ITL_BUCKETS_S: [f64; 19] = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
 ];
 
 /// The LoRA adapter a request runs with, as vLLM's events name it: `name` keys its blocks (in
@@ -123,6 +145,8 @@ struct Live {
     output_len: usize,
     arrival_us: u64,
     first_token: bool,
+    /// When its last token came (emulated), once it has one.
+    last_token_us: u64,
 }
 
 /// The engine and its bookkeeping, advanced by explicit times.
@@ -256,6 +280,7 @@ impl Core {
                 output_len,
                 arrival_us: self.now_us,
                 first_token: false,
+                last_token_us: 0,
             },
         );
         if !self.submit(0, req) {
@@ -307,11 +332,14 @@ impl Core {
                         if !std::mem::replace(&mut l.first_token, true) {
                             let s = at_us.saturating_sub(l.arrival_us) as f64 / 1e6;
                             let c = &mut self.counters;
-                            c.ttft_count += 1;
-                            c.ttft_sum_s += s;
-                            for (b, &le) in c.ttft_buckets.iter_mut().zip(&TTFT_BUCKETS_S) {
-                                *b += u64::from(s <= le);
-                            }
+                            observe(
+                                &mut c.ttft_buckets,
+                                &TTFT_BUCKETS_S,
+                                &mut c.ttft_sum_s,
+                                &mut c.ttft_count,
+                                s,
+                            );
+                            l.last_token_us = at_us;
                         }
                     }
                     self.notes.push(Note::Token { id, at_us });
@@ -460,6 +488,18 @@ impl EngineLoop for Core {
         let at_us = self.now_us;
         for id in self.engine.decoding_ids() {
             self.notes.push(Note::Token { id, at_us });
+            if let Some(l) = self.live.get_mut(&id) {
+                let s = at_us.saturating_sub(l.last_token_us) as f64 / 1e6;
+                l.last_token_us = at_us;
+                let c = &mut self.counters;
+                observe(
+                    &mut c.itl_buckets,
+                    &ITL_BUCKETS_S,
+                    &mut c.itl_sum_s,
+                    &mut c.itl_count,
+                    s,
+                );
+            }
         }
         self.step_end = None;
     }

@@ -285,6 +285,127 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         ",finished_reason=\"length\"",
         c.finished.to_string(),
     );
+    use crate::engine_loop::{ITL_BUCKETS_S, TTFT_BUCKETS_S};
+    for (name, help, bounds, buckets, sum, count) in [
+        (
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds (emulated time: arrival at the server \
+             to the end of prefill).",
+            &TTFT_BUCKETS_S[..],
+            &c.ttft_buckets[..],
+            c.ttft_sum_s,
+            c.ttft_count,
+        ),
+        (
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds (emulated time).",
+            &ITL_BUCKETS_S[..],
+            &c.itl_buckets[..],
+            c.itl_sum_s,
+            c.itl_count,
+        ),
+    ] {
+        let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (le, n) in bounds.iter().zip(buckets) {
+            let _ = writeln!(s, "{name}_bucket{{{labels},le=\"{le:?}\"}} {n}");
+        }
+        let _ = writeln!(s, "{name}_bucket{{{labels},le=\"+Inf\"}} {count}");
+        let _ = writeln!(s, "{name}_sum{{{labels}}} {sum}");
+        let _ = writeln!(s, "{name}_count{{{labels}}} {count}");
+    }
+    let mut put = |name: &str, kind: &str, help: &str, extra: &str, v: String| {
+        let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        let _ = writeln!(s, "{name}{{{labels}{extra}}} {v}");
+    };
+    put(
+        "vllm:num_requests_running",
+        "gauge",
+        "Number of requests in model execution batches.",
+        "",
+        c.running.to_string(),
+    );
+    put(
+        "vllm:num_requests_waiting",
+        "gauge",
+        "Number of requests waiting to be processed.",
+        "",
+        c.waiting.to_string(),
+    );
+    put(
+        "vllm:kv_cache_usage_perc",
+        "gauge",
+        "KV-cache usage. 1 means 100 percent usage.",
+        "",
+        c.kv_usage.to_string(),
+    );
+    put(
+        "vllm:gpu_cache_usage_perc",
+        "gauge",
+        "GPU KV-cache usage. 1 means 100 percent usage (the older name).",
+        "",
+        c.kv_usage.to_string(),
+    );
+    put(
+        "vllm:prefix_cache_queries_total",
+        "counter",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        "",
+        c.prefix_queries.to_string(),
+    );
+    put(
+        "vllm:prefix_cache_hits_total",
+        "counter",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        "",
+        c.prefix_hits.to_string(),
+    );
+    // The names of earlier vLLM releases, for dashboards that still read them.
+    put(
+        "vllm:gpu_prefix_cache_queries_total",
+        "counter",
+        "GPU prefix cache queries, in terms of number of queried tokens (the older name).",
+        "",
+        c.prefix_queries.to_string(),
+    );
+    put(
+        "vllm:gpu_prefix_cache_hits_total",
+        "counter",
+        "GPU prefix cache hits, in terms of number of cached tokens (the older name).",
+        "",
+        c.prefix_hits.to_string(),
+    );
+    put(
+        "vllm:gpu_prefix_cache_hit_rate",
+        "gauge",
+        "GPU prefix cache block hit rate (vLLM 0.x).",
+        "",
+        if c.prefix_queries == 0 {
+            "0".to_string()
+        } else {
+            (c.prefix_hits as f64 / c.prefix_queries as f64).to_string()
+        },
+    );
+    put(
+        "vllm:prompt_tokens_total",
+        "counter",
+        "Number of prefill tokens processed.",
+        "",
+        c.prompt_tokens.to_string(),
+    );
+    put(
+        "vllm:generation_tokens_total",
+        "counter",
+        "Number of generation tokens processed.",
+        "",
+        c.generation_tokens.to_string(),
+    );
+    put(
+        "vllm:request_success_total",
+        "counter",
+        "Count of successfully processed requests.",
+        ",finished_reason=\"length\"",
+        c.finished.to_string(),
+    );
     {
         let name = "vllm:time_to_first_token_seconds";
         let _ = writeln!(

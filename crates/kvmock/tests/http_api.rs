@@ -120,14 +120,20 @@ fn completions_chat_models_health_and_metrics() {
     }
     // The last token leaves before the step's bookkeeping ends (tokens go out first), so the
     // gauge may still read 1 for a moment after the stream is complete.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
-    while m.metric("vllm:num_requests_running") != 0.0 && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
-    assert_eq!(m.metric("vllm:num_requests_running"), 0.0);
+    common::eventually(
+        "no request running",
+        std::time::Duration::from_secs(2),
+        || m.metric("vllm:num_requests_running") == 0.0,
+    );
     // Five successful requests, each with one time to first token.
     assert_eq!(m.metric("vllm:time_to_first_token_seconds_count"), 5.0);
     assert!(text.contains("vllm:time_to_first_token_seconds_bucket{"));
+    // Every output token after a request's first has one inter-token latency.
+    assert_eq!(
+        m.metric("vllm:inter_token_latency_seconds_count"),
+        m.metric("vllm:generation_tokens_total") - 5.0
+    );
+    assert!(m.metric("vllm:inter_token_latency_seconds_sum") > 0.0);
     assert!(m.metric("vllm:prefix_cache_hits_total") >= 8.0);
     assert!(m.metric("vllm:prefix_cache_queries_total") >= 16.0);
 }

@@ -53,6 +53,9 @@ pub struct IngestSummary {
     pub lower_tier_stored: usize,
     /// Blocks removed from a lower tier.
     pub lower_tier_removed: usize,
+    /// When the engine published the batch (its `ts`), microseconds since the Unix epoch; 0
+    /// when the batch has none (a `ts` of 0 or less, or not a number).
+    pub published_us: u64,
 }
 
 /// Running totals of one worker's vLLM feed, since [`VllmIngest`] first saw it.
@@ -301,6 +304,8 @@ impl VllmIngest {
         let mut out = IngestSummary {
             seq,
             events: batch.events.len(),
+            // `as` saturates: a NaN or negative `ts` is 0, a huge one u64::MAX.
+            published_us: (batch.timestamp * 1e6) as u64,
             ..IngestSummary::default()
         };
         if seq > expected {

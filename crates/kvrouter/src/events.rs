@@ -138,6 +138,14 @@ fn count(server: &Server, worker: &Worker, r: &Result<IngestSummary, VllmError>)
     match r {
         Ok(s) => {
             c.batches_applied.fetch_add(1, Ordering::Relaxed);
+            if s.published_us > 0 {
+                let now_us = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_micros() as u64);
+                server
+                    .kv_event_lag
+                    .observe(now_us.saturating_sub(s.published_us));
+            }
             c.gaps
                 .fetch_add(u64::from(s.gap.is_some()), Ordering::Relaxed);
             true

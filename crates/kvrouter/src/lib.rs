@@ -35,6 +35,7 @@ pub mod config;
 pub mod discovery;
 pub mod events;
 mod feeds;
+pub mod histogram;
 pub mod lora;
 pub mod nats;
 pub mod proxy;

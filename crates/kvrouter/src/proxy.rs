@@ -323,10 +323,11 @@ async fn forward(
         match sent {
             Ok(resp) => {
                 worker.routed.fetch_add(1, Ordering::Relaxed);
-                let c = &server.counters;
-                c.request_blocks
+                worker
+                    .request_blocks
                     .fetch_add(d.request_blocks as u64, Ordering::Relaxed);
-                c.hit_blocks
+                worker
+                    .hit_blocks
                     .fetch_add(d.cache_hits as u64, Ordering::Relaxed);
                 server.set_down(&worker, false);
                 return stream_back(resp, guard, worker);

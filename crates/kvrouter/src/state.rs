@@ -20,6 +20,7 @@ use serde_json::Value;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::config::{Config, WorkerSpec};
+use crate::histogram::Histogram;
 use crate::ServerError;
 
 /// The HTTP client that forwards requests to the workers.
@@ -47,6 +48,10 @@ pub struct Worker {
     pub routed: AtomicU64,
     /// Requests it failed (refused, or broke off mid-stream).
     pub upstream_errors: AtomicU64,
+    /// Full prompt blocks of the requests routed to it.
+    pub request_blocks: AtomicU64,
+    /// Of those, blocks the router predicted cached on it.
+    pub hit_blocks: AtomicU64,
     /// Its NATS follower has read its events to the end of the stream once.
     pub caught_up: AtomicBool,
     /// Its ZMQ KV-event subscription is connected and subscribed (a readiness signal:
@@ -59,10 +64,6 @@ pub struct Worker {
 /// Server-wide counters.
 #[derive(Debug, Default)]
 pub struct Counters {
-    /// Full prompt blocks of routed requests.
-    pub request_blocks: AtomicU64,
-    /// Of those, blocks the router predicted cached on the chosen worker.
-    pub hit_blocks: AtomicU64,
     /// vLLM batches applied.
     pub batches_applied: AtomicU64,
     /// vLLM batches rejected (malformed, invalid, replayed).
@@ -75,10 +76,6 @@ pub struct Counters {
     pub replays: AtomicU64,
     /// Batches obtained by replay and applied.
     pub replayed_batches: AtomicU64,
-    /// Route decision latency: counts per bucket of [`LATENCY_BUCKETS_US`], then the overflow.
-    pub route_latency: [AtomicU64; LATENCY_BUCKETS_US.len() + 1],
-    /// Sum of route decision latencies, microseconds.
-    pub route_latency_sum_us: AtomicU64,
     /// Other replicas' load deltas applied.
     pub deltas_applied: AtomicU64,
     /// Other replicas' load-delta messages that did not parse.
@@ -94,6 +91,11 @@ pub struct Counters {
 /// Upper bounds of the route-latency histogram's buckets, microseconds.
 pub const LATENCY_BUCKETS_US: [u64; 9] = [5, 10, 25, 50, 100, 250, 500, 1_000, 5_000];
 
+/// Upper bounds of the KV-event lag histogram's buckets, microseconds (1 ms to 10 s).
+pub const LAG_BUCKETS_US: [u64; 10] = [
+    1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 500_000, 1_000_000, 10_000_000,
+];
+
 /// The shared state of a running server.
 pub struct Server {
     /// The settings.
@@ -105,6 +107,10 @@ pub struct Server {
     pub text: Option<(Codec, ChatTemplate)>,
     /// Counters for `/metrics`.
     pub counters: Counters,
+    /// Route decision latency (tokenising excluded).
+    pub route_latency: Histogram,
+    /// From a KV-event batch's publication (its `ts`) to its application here.
+    pub kv_event_lag: Histogram,
     next_request: AtomicU64,
     pub(crate) client: HttpClient,
     /// The router's clock (predicted blocks lapse by it) starts with the server.
@@ -218,6 +224,8 @@ impl Server {
             next_worker: AtomicU64::new(0),
             text,
             counters: Counters::default(),
+            route_latency: Histogram::new(&LATENCY_BUCKETS_US),
+            kv_event_lag: Histogram::new(&LAG_BUCKETS_US),
             // A run's request ids never repeat an earlier run's: other replicas remember a
             // replica's finished ids for a while, and would ignore a restarted one's.
             next_request: AtomicU64::new(first_request_id()),
@@ -337,6 +345,8 @@ impl Server {
             down: AtomicBool::new(false),
             routed: AtomicU64::new(0),
             upstream_errors: AtomicU64::new(0),
+            request_blocks: AtomicU64::new(0),
+            hit_blocks: AtomicU64::new(0),
             caught_up: AtomicBool::new(false),
             subscribed: AtomicBool::new(false),
             task: Mutex::new(None),
@@ -378,13 +388,7 @@ impl Server {
 
     /// Records one route decision's latency.
     pub fn observe_route(&self, us: u64) {
-        let c = &self.counters;
-        let k = LATENCY_BUCKETS_US
-            .iter()
-            .position(|&b| us <= b)
-            .unwrap_or(LATENCY_BUCKETS_US.len());
-        c.route_latency[k].fetch_add(1, Ordering::Relaxed);
-        c.route_latency_sum_us.fetch_add(us, Ordering::Relaxed);
+        self.route_latency.observe(us);
     }
 
     /// `/metrics` in Prometheus text.
@@ -399,8 +403,6 @@ impl Server {
             );
         };
         for (name, help, v) in [
-            ("kvrouter_request_blocks_total", "Full prompt blocks of routed requests.", &c.request_blocks),
-            ("kvrouter_cache_hit_blocks_total", "Prompt blocks the router predicted cached on the chosen worker.", &c.hit_blocks),
             ("kvrouter_kv_batches_applied_total", "KV-event batches applied.", &c.batches_applied),
             ("kvrouter_kv_batches_rejected_total", "KV-event batches rejected (malformed, invalid or replayed).", &c.batches_rejected),
             ("kvrouter_kv_gaps_total", "KV-event batches that followed missed ones.", &c.gaps),
@@ -440,43 +442,62 @@ impl Server {
             out,
             "# HELP kvrouter_stale_workers Workers whose mirror may have missed events.\n# TYPE kvrouter_stale_workers gauge\nkvrouter_stale_workers {stale}"
         );
-        let _ = writeln!(out, "# HELP kvrouter_requests_routed_total Requests routed, by worker.\n# TYPE kvrouter_requests_routed_total counter");
-        for w in &workers {
-            let _ = writeln!(
-                out,
-                "kvrouter_requests_routed_total{{worker=\"{}\"}} {}",
-                w.spec.name,
-                get(&w.routed)
-            );
-        }
-        let _ = writeln!(out, "# HELP kvrouter_upstream_errors_total Requests a worker refused, broke off or did not answer in time, by worker.\n# TYPE kvrouter_upstream_errors_total counter");
-        for w in &workers {
-            let _ = writeln!(
-                out,
-                "kvrouter_upstream_errors_total{{worker=\"{}\"}} {}",
-                w.spec.name,
-                get(&w.upstream_errors)
-            );
+        let in_flight: Vec<usize> = {
+            let m = self.mirror();
+            workers.iter().map(|w| m.router.in_flight(w.id)).collect()
+        };
+        for (name, kind, help, value) in [
+            (
+                "kvrouter_requests_routed_total",
+                "counter",
+                "Requests routed, by worker.",
+                &|w: &Worker, _| get(&w.routed),
+            ),
+            (
+                "kvrouter_upstream_errors_total",
+                "counter",
+                "Requests a worker refused, broke off or did not answer in time, by worker.",
+                &|w: &Worker, _| get(&w.upstream_errors),
+            ),
+            (
+                "kvrouter_request_blocks_total",
+                "counter",
+                "Full prompt blocks of routed requests, by worker.",
+                &|w: &Worker, _| get(&w.request_blocks),
+            ),
+            (
+                "kvrouter_cache_hit_blocks_total",
+                "counter",
+                "Prompt blocks the router predicted cached on the chosen worker, by worker.",
+                &|w: &Worker, _| get(&w.hit_blocks),
+            ),
+            (
+                "kvrouter_in_flight_requests",
+                "gauge",
+                "Requests routed to a worker and not finished, by worker.",
+                &|_: &Worker, k: usize| in_flight[k] as u64,
+            ),
+        ]
+            as [(&str, &str, &str, &dyn Fn(&Worker, usize) -> u64); 5]
+        {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+            for (k, w) in workers.iter().enumerate() {
+                let _ = writeln!(out, "{name}{{worker=\"{}\"}} {}", w.spec.name, value(w, k));
+            }
         }
         let _ = writeln!(out, "# HELP kvrouter_cache_view_blocks Blocks the router believes each worker holds.\n# TYPE kvrouter_cache_view_blocks gauge");
         for (name, n) in views {
             let _ = writeln!(out, "kvrouter_cache_view_blocks{{worker=\"{name}\"}} {n}");
         }
-        let _ = writeln!(out, "# HELP kvrouter_route_seconds Route decision latency (tokenising excluded).\n# TYPE kvrouter_route_seconds histogram");
-        let mut cumulative = 0;
-        for (k, &b) in LATENCY_BUCKETS_US.iter().enumerate() {
-            cumulative += get(&c.route_latency[k]);
-            let _ = writeln!(
-                out,
-                "kvrouter_route_seconds_bucket{{le=\"{}\"}} {cumulative}",
-                b as f64 / 1e6
-            );
-        }
-        cumulative += get(&c.route_latency[LATENCY_BUCKETS_US.len()]);
-        let _ = writeln!(
-            out,
-            "kvrouter_route_seconds_bucket{{le=\"+Inf\"}} {cumulative}\nkvrouter_route_seconds_sum {}\nkvrouter_route_seconds_count {cumulative}",
-            get(&c.route_latency_sum_us) as f64 / 1e6
+        self.route_latency.write(
+            &mut out,
+            "kvrouter_route_seconds",
+            "Route decision latency (tokenising excluded).",
+        );
+        self.kv_event_lag.write(
+            &mut out,
+            "kvrouter_kv_event_lag_seconds",
+            "From a KV-event batch's publication (the engine's timestamp) to its application.",
         );
         out
     }

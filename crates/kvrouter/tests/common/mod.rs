@@ -154,13 +154,16 @@ impl Kvrouter {
         serde_json::from_str(&body).unwrap()
     }
 
+    /// The metric summed over its series (every label set).
     pub fn metric(&self, name: &str) -> f64 {
         let (_, text) = http(self.port, "GET", "/metrics", None);
-        text.lines()
-            .find(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("metric {name} missing from:\n{text}"))
+        let values: Vec<f64> = text
+            .lines()
+            .filter(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
+            .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
+            .collect();
+        assert!(!values.is_empty(), "metric {name} missing from:\n{text}");
+        values.iter().sum()
     }
 
     pub fn block_count(&self, worker: &str) -> u64 {
