@@ -13,18 +13,31 @@ use tokio::sync::mpsc as tmpsc;
 use crate::engine_loop::{Core, Counters, Lora, Note};
 use crate::events::Publisher;
 
-/// What a request's stream receives from the engine.
+/// What a request's stream receives from the engine, stamped with emulated microseconds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Progress {
+    /// Handed to the engine.
+    Arrived {
+        /// Emulated time.
+        at_us: u64,
+    },
     /// Scheduled, with this many cached leading blocks.
     Admitted {
         /// Cached leading prompt blocks.
         cached_blocks: usize,
+        /// Emulated time.
+        at_us: u64,
     },
     /// One more output token.
-    Token,
+    Token {
+        /// Emulated time.
+        at_us: u64,
+    },
     /// The last token was produced.
-    Finished,
+    Finished {
+        /// Emulated time.
+        at_us: u64,
+    },
     /// The request can never fit the engine.
     Rejected,
 }
@@ -131,6 +144,7 @@ fn run(
                 // The arrival is stamped when the server received it, so the hop to this
                 // thread does not delay the request (unless the engine has moved past it).
                 let t = emu(s.arrived.max(start)).max(core.now_us());
+                let _ = s.tx.send(Progress::Arrived { at_us: t });
                 streams.insert(s.id, s.tx);
                 core.arrive_keyed(
                     t,
@@ -152,13 +166,21 @@ fn run(
         for n in notes.drain(..) {
             let (id, p) = match n {
                 Note::Admitted {
-                    id, cached_blocks, ..
-                } => (id, Progress::Admitted { cached_blocks }),
-                Note::Token { id, .. } => (id, Progress::Token),
-                Note::Finished { id, .. } => (id, Progress::Finished),
+                    id,
+                    cached_blocks,
+                    at_us,
+                } => (
+                    id,
+                    Progress::Admitted {
+                        cached_blocks,
+                        at_us,
+                    },
+                ),
+                Note::Token { id, at_us } => (id, Progress::Token { at_us }),
+                Note::Finished { id, at_us } => (id, Progress::Finished { at_us }),
                 Note::Rejected { id } => (id, Progress::Rejected),
             };
-            let done = matches!(p, Progress::Finished | Progress::Rejected);
+            let done = matches!(p, Progress::Finished { .. } | Progress::Rejected);
             if let Some(tx) = streams.get(&id) {
                 // A client that went away stops listening; the engine still runs the request.
                 let _ = tx.send(p);

@@ -428,6 +428,13 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         let _ = writeln!(s, "{name}{{{labels}{extra}}} {v}");
     };
     put(
+        "kvmock:otlp_export_errors_total",
+        "counter",
+        "Span batches the OTLP collector did not take (--otlp-traces-endpoint).",
+        "",
+        kvserve::logging::TraceGuard::export_errors().to_string(),
+    );
+    put(
         "kvmock:cached_blocks",
         "gauge",
         "Blocks resident in the emulated engine's cache.",
@@ -583,11 +590,12 @@ async fn read_body(req: axum::extract::Request) -> Result<Bytes, ApiError> {
 
 async fn completions(State(st): State<Arc<AppState>>, req: axum::extract::Request) -> Response {
     let arrived = Instant::now();
+    let ids = Ids::of(req.headers());
     match read_body(req)
         .await
         .and_then(|b| prepare_completion(&st, &b))
     {
-        Ok(p) => run(st, p, arrived).await,
+        Ok(p) => run(st, p, arrived, ids).await,
         Err(e) => e.into_response(),
     }
 }
@@ -597,8 +605,9 @@ async fn chat_completions(
     req: axum::extract::Request,
 ) -> Response {
     let arrived = Instant::now();
+    let ids = Ids::of(req.headers());
     match read_body(req).await.and_then(|b| prepare_chat(&st, &b)) {
-        Ok(p) => run(st, p, arrived).await,
+        Ok(p) => run(st, p, arrived, ids).await,
         Err(e) => e.into_response(),
     }
 }
@@ -654,10 +663,125 @@ fn sse(v: &Value, out: &mut Vec<u8>) {
     out.extend_from_slice(b"\n\n");
 }
 
-async fn run(st: Arc<AppState>, p: Prepared, arrived: Instant) -> Response {
+/// What names a request across hops: the client's `x-request-id` (vLLM's request id is made of
+/// it) and, with tracing on, the `llm_request` span continuing the caller's trace.
+struct Ids {
+    request_id: Option<String>,
+    span: Option<tracing::Span>,
+}
+
+impl Ids {
+    fn of(headers: &header::HeaderMap) -> Ids {
+        let get = |k: &str| Some(headers.get(k)?.to_str().ok()?.to_string());
+        let span = kvserve::logging::tracing_on().then(|| {
+            let span = tracing::info_span!(
+                "llm_request",
+                otel.kind = "server",
+                otel.status_code = tracing::field::Empty,
+                gen_ai.request.id = tracing::field::Empty,
+                gen_ai.request.max_tokens = tracing::field::Empty,
+                gen_ai.request.n = 1,
+                gen_ai.usage.prompt_tokens = tracing::field::Empty,
+                gen_ai.usage.completion_tokens = tracing::field::Empty,
+                gen_ai.latency.time_in_queue = tracing::field::Empty,
+                gen_ai.latency.time_to_first_token = tracing::field::Empty,
+                gen_ai.latency.e2e = tracing::field::Empty,
+                gen_ai.latency.time_in_model_prefill = tracing::field::Empty,
+                gen_ai.latency.time_in_model_decode = tracing::field::Empty,
+                gen_ai.latency.time_in_model_inference = tracing::field::Empty,
+            );
+            kvserve::logging::continue_trace(&span, get);
+            span
+        });
+        Ids {
+            request_id: get("x-request-id").filter(|v| !v.is_empty()),
+            span,
+        }
+    }
+}
+
+/// The engine's progress for one request; with tracing on, it stamps the `llm_request` span
+/// as vLLM does (latencies in emulated seconds) and ends it when the request finishes.
+struct Traced {
+    rx: mpsc::UnboundedReceiver<Progress>,
+    span: Option<tracing::Span>,
+    /// Emulated arrival, scheduling and first-token times.
+    times: [Option<u64>; 3],
+    tokens: u64,
+}
+
+impl Traced {
+    async fn recv(&mut self) -> Option<Progress> {
+        let p = self.rx.recv().await;
+        self.observe(p)
+    }
+
+    fn try_recv(&mut self) -> Option<Progress> {
+        let p = self.rx.try_recv().ok();
+        self.observe(p)
+    }
+
+    fn observe(&mut self, p: Option<Progress>) -> Option<Progress> {
+        if self.span.is_none() {
+            return p;
+        }
+        let [arrived, admitted, first] = &mut self.times;
+        match p {
+            Some(Progress::Arrived { at_us }) => *arrived = Some(at_us),
+            Some(Progress::Admitted { at_us, .. }) => *admitted = Some(at_us),
+            Some(Progress::Token { at_us }) => {
+                first.get_or_insert(at_us);
+                self.tokens += 1;
+            }
+            Some(Progress::Finished { at_us }) => {
+                let s =
+                    |from: Option<u64>, to: u64| to.saturating_sub(from.unwrap_or(to)) as f64 / 1e6;
+                let (arrived, admitted) = (*arrived, admitted.or(*arrived));
+                let first_us = first.unwrap_or(at_us);
+                if let Some(span) = self.span.take() {
+                    span.record("gen_ai.usage.completion_tokens", self.tokens as i64);
+                    span.record(
+                        "gen_ai.latency.time_in_queue",
+                        s(arrived, admitted.unwrap_or(at_us)),
+                    );
+                    span.record("gen_ai.latency.time_to_first_token", s(arrived, first_us));
+                    span.record("gen_ai.latency.e2e", s(arrived, at_us));
+                    span.record(
+                        "gen_ai.latency.time_in_model_prefill",
+                        s(admitted, first_us),
+                    );
+                    span.record(
+                        "gen_ai.latency.time_in_model_decode",
+                        s(Some(first_us), at_us),
+                    );
+                    span.record("gen_ai.latency.time_in_model_inference", s(admitted, at_us));
+                    // Dropped here: the span ends with the request.
+                }
+            }
+            _ => {}
+        }
+        p
+    }
+}
+
+impl Drop for Traced {
+    fn drop(&mut self) {
+        // Not finished (the client left, the engine stopped): an error span, which readers of
+        // vLLM's spans (`kvsim --spans`) skip.
+        if let Some(span) = self.span.take() {
+            span.record("otel.status_code", "error");
+        }
+    }
+}
+
+async fn run(st: Arc<AppState>, p: Prepared, arrived: Instant, ids: Ids) -> Response {
     let n = st.next_id.fetch_add(1, Ordering::Relaxed);
+    let kind = if p.chat { "chatcmpl" } else { "cmpl" };
     let meta = Meta {
-        id: format!("{}-{n}", if p.chat { "chatcmpl" } else { "cmpl" }),
+        id: match &ids.request_id {
+            Some(given) => format!("{kind}-{given}"),
+            None => format!("{kind}-{n}"),
+        },
         created: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
@@ -675,9 +799,21 @@ async fn run(st: Arc<AppState>, p: Prepared, arrived: Instant) -> Response {
             .collect::<Vec<u8>>(),
     );
     let prompt_len = p.tokens.len();
-    let mut progress = st
+    // Whole numbers as OTLP integers, as vLLM's (tracing-opentelemetry writes a u64 as a string).
+    if let Some(span) = &ids.span {
+        span.record("gen_ai.request.id", meta.id.as_str());
+        span.record("gen_ai.request.max_tokens", p.max_tokens as i64);
+        span.record("gen_ai.usage.prompt_tokens", prompt_len as i64);
+    }
+    let rx = st
         .engine
         .submit(n, arrived, p.tokens, p.max_tokens, p.lora, p.cache_salt);
+    let mut progress = Traced {
+        rx,
+        span: ids.span,
+        times: [None; 3],
+        tokens: 0,
+    };
     let codec = st.cfg.codec.clone();
     let seed = st.cfg.seed;
     let bs = st.cfg.block_size;
@@ -686,12 +822,13 @@ async fn run(st: Arc<AppState>, p: Prepared, arrived: Instant) -> Response {
         let (mut text, mut k, mut cached) = (String::new(), 0usize, 0usize);
         loop {
             match progress.recv().await {
-                Some(Progress::Admitted { cached_blocks }) => cached = cached_blocks * bs,
-                Some(Progress::Token) => {
+                Some(Progress::Arrived { .. }) => {}
+                Some(Progress::Admitted { cached_blocks, .. }) => cached = cached_blocks * bs,
+                Some(Progress::Token { .. }) => {
                     text.push_str(&dec.push(codec.output_token(seed, prompt_hash, k)));
                     k += 1;
                 }
-                Some(Progress::Finished) => break,
+                Some(Progress::Finished { .. }) => break,
                 Some(Progress::Rejected) => {
                     return bad("the request can never fit the KV cache").into_response()
                 }
@@ -757,7 +894,7 @@ struct SseState {
     meta: Meta,
     /// Token chunk frames: (not the last, the last).
     frames: ((String, String), (String, String)),
-    progress: mpsc::UnboundedReceiver<Progress>,
+    progress: Traced,
     codec: Codec,
     decoder: kvserve::tokenize::Decoder,
     seed: u64,
@@ -791,10 +928,11 @@ impl SseState {
         }
         while let Some(p) = next.take() {
             match p {
-                Progress::Admitted { cached_blocks } => {
+                Progress::Arrived { .. } => {}
+                Progress::Admitted { cached_blocks, .. } => {
                     self.cached = cached_blocks * self.block_size;
                 }
-                Progress::Token => {
+                Progress::Token { .. } => {
                     let id = self
                         .codec
                         .output_token(self.seed, self.prompt_hash, self.tokens);
@@ -807,7 +945,7 @@ impl SseState {
                     };
                     token_sse(f, &text, &mut out);
                 }
-                Progress::Finished => self.done = true,
+                Progress::Finished { .. } => self.done = true,
                 Progress::Rejected => {
                     let e = json!({"error": {"message": "the request can never fit the KV cache",
                                    "type": "BadRequestError", "code": 400}});
@@ -818,7 +956,7 @@ impl SseState {
             if self.done {
                 break;
             }
-            next = self.progress.try_recv().ok();
+            next = self.progress.try_recv();
         }
         if self.done {
             if self.include_usage {

@@ -126,6 +126,13 @@ pub struct Config {
     /// carry its id (the client's x-request-id, or one the router gives and sends on).
     #[arg(long, global = true, default_value = "text", value_name = "text|json")]
     pub log_format: kvserve::logging::LogFormat,
+    /// Export OpenTelemetry traces to this OTLP/HTTP collector URL
+    /// (http://HOST:4318/v1/traces; vLLM's flag): a span per request continuing the caller's
+    /// traceparent, with tokenize, route (policy, worker, hits, cost, candidates) and upstream
+    /// children; the engine receives the trace in traceparent. Batched in the background: an
+    /// unreachable collector costs kvrouter_otlp_export_errors_total, not latency.
+    #[arg(long, value_name = "URL")]
+    pub otlp_traces_endpoint: Option<String>,
     /// A sidecar instead of the server (`kvrouter relay --help`).
     #[command(subcommand)]
     pub command: Option<Command>,

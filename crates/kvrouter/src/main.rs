@@ -4,7 +4,14 @@ use clap::Parser;
 
 fn main() {
     let cfg = kvrouter::Config::parse();
-    kvserve::logging::init(cfg.log_format);
+    let endpoint = cfg.otlp_traces_endpoint.as_deref();
+    let _traces = match kvserve::logging::init_traced(cfg.log_format, endpoint, "kvrouter") {
+        Ok(guard) => guard,
+        Err(e) => {
+            eprintln!("kvrouter: {e}");
+            std::process::exit(2);
+        }
+    };
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {

@@ -63,7 +63,21 @@ async fn with_request_id(
             v
         }
     };
-    let span = tracing::info_span!("request", request_id = %String::from_utf8_lossy(id.as_bytes()));
+    let span = tracing::info_span!(
+        "request",
+        request_id = %String::from_utf8_lossy(id.as_bytes()),
+        trace_id = tracing::field::Empty,
+        otel.kind = "server",
+        otel.name = %format!("{} {}", req.method(), req.uri().path()),
+    );
+    // With tracing on, the span continues the caller's trace and log lines name it.
+    if kvserve::logging::tracing_on() {
+        let headers = req.headers();
+        let get = |k: &str| Some(headers.get(k)?.to_str().ok()?.to_string());
+        if let Some(trace) = kvserve::logging::continue_trace(&span, get) {
+            span.record("trace_id", trace);
+        }
+    }
     let mut resp = next.run(req).instrument(span).await;
     resp.headers_mut().insert(REQUEST_ID.clone(), id);
     resp
@@ -167,7 +181,9 @@ async fn completions(
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    match tokenize::prompt_tokens(&req.input, |t| encode(&server, t, true)) {
+    let tokens = tracing::info_span!("tokenize")
+        .in_scope(|| tokenize::prompt_tokens(&req.input, |t| encode(&server, t, true)));
+    match tokens {
         Ok(tokens) => forward(server, "/v1/completions", body, &headers, &tokens, &keys).await,
         Err(e) => bad(e),
     }
@@ -185,7 +201,8 @@ async fn chat(
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    match chat_tokens(&server, &req, &keys) {
+    let tokens = tracing::info_span!("tokenize").in_scope(|| chat_tokens(&server, &req, &keys));
+    match tokens {
         Ok(tokens) => {
             forward(
                 server,
@@ -256,6 +273,16 @@ async fn forward(
     for _ in 0..server.workers().len().max(1) {
         let id = server.next_request_id();
         let started = Instant::now();
+        let route_span = tracing::info_span!(
+            "route",
+            policy = ?server.cfg.router_policy,
+            candidates = server.workers().len() as i64,
+            worker = tracing::field::Empty,
+            hits = tracing::field::Empty,
+            blocks = tracing::field::Empty,
+            cost = tracing::field::Empty,
+        );
+        let _entered = route_span.enter();
         let decision = {
             let mut mirror = server.mirror();
             mirror.router.set_clock(server.started.elapsed());
@@ -283,6 +310,13 @@ async fn forward(
                 )
             }
         };
+        // Whole numbers as OTLP integers (tracing-opentelemetry writes a u64 as a string).
+        route_span.record("worker", d.worker.get() as i64);
+        route_span.record("hits", d.cache_hits as i64);
+        route_span.record("blocks", d.request_blocks as i64);
+        route_span.record("cost", d.cost);
+        // Not held across the upstream call (the guard is not Send).
+        drop(_entered);
         let guard = Finish {
             server: Arc::clone(&server),
             id,
@@ -299,13 +333,31 @@ async fn forward(
                 req = req.header(name, v.clone());
             }
         }
+        // The trace goes on to the engine: this request's span with tracing on, else the
+        // caller's headers as they came.
+        let upstream_span =
+            tracing::info_span!("upstream", worker = %worker.spec.name, otel.kind = "client");
+        let traced = kvserve::logging::trace_headers(&upstream_span);
+        if traced.is_empty() {
+            for name in ["traceparent", "tracestate"] {
+                if let Some(v) = headers.get(name) {
+                    req = req.header(name, v.clone());
+                }
+            }
+        }
+        for (name, v) in traced {
+            req = req.header(name, v);
+        }
         let req = req.body(Full::new(body.clone()));
         let req = match req {
             Ok(r) => r,
             Err(e) => return bad(format!("cannot forward the request: {e}")),
         };
         let limit = std::time::Duration::from_secs_f64(server.cfg.upstream_timeout_s);
-        let sent = match tokio::time::timeout(limit, server.client.request(req)).await {
+        let sent = tokio::time::timeout(limit, server.client.request(req))
+            .instrument(upstream_span)
+            .await;
+        let sent = match sent {
             Ok(sent) => sent,
             // Sent, and perhaps running: not tried elsewhere.
             Err(_) => {

@@ -415,6 +415,11 @@ impl Server {
         ] {
             counter(name, help, get(v));
         }
+        counter(
+            "kvrouter_otlp_export_errors_total",
+            "Span batches the OTLP collector did not take (--otlp-traces-endpoint).",
+            kvserve::logging::TraceGuard::export_errors(),
+        );
         let workers = self.workers();
         let (views, stale): (Vec<(String, usize)>, usize) = {
             let m = self.mirror();

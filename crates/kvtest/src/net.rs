@@ -124,3 +124,90 @@ pub fn eventually(what: &str, limit: Duration, mut ready: impl FnMut() -> bool) 
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+/// A minimal OTLP/HTTP receiver for tests (no collector ships in Debian): it answers every
+/// `POST` with `200 {}` and keeps each body, for a process exporting traces in JSON
+/// (`--otlp-traces-endpoint`). Its thread ends with the test process.
+#[derive(Debug, Clone)]
+pub struct OtlpReceiver {
+    port: u16,
+    bodies: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl OtlpReceiver {
+    /// Listens on a free loopback port.
+    pub fn start() -> OtlpReceiver {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let bodies = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let kept = std::sync::Arc::clone(&bodies);
+        std::thread::spawn(move || {
+            for conn in listener.incoming().flatten() {
+                let kept = std::sync::Arc::clone(&kept);
+                std::thread::spawn(move || serve_otlp(conn, &kept));
+            }
+        });
+        OtlpReceiver { port, bodies }
+    }
+
+    /// The traces URL to export to.
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}/v1/traces", self.port)
+    }
+
+    /// Every body received so far (OTLP/JSON `ExportTraceServiceRequest`s: `resourceSpans`).
+    pub fn bodies(&self) -> Vec<String> {
+        self.bodies
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Every span received so far, flattened out of its resource and scope.
+    pub fn spans(&self) -> Vec<serde_json::Value> {
+        let mut out = Vec::new();
+        for body in self.bodies() {
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+            for rs in v["resourceSpans"].as_array().into_iter().flatten() {
+                for ss in rs["scopeSpans"].as_array().into_iter().flatten() {
+                    out.extend(ss["spans"].as_array().into_iter().flatten().cloned());
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Serves one keep-alive connection: each request's body is kept and answered `200 {}`.
+fn serve_otlp(mut conn: TcpStream, kept: &std::sync::Mutex<Vec<String>>) {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 8192];
+    loop {
+        let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+            match conn.read(&mut chunk) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+            continue;
+        };
+        let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+        let len: usize = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:"))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0);
+        while buf.len() < end + 4 + len {
+            match conn.read(&mut chunk) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+        let body = String::from_utf8_lossy(&buf[end + 4..end + 4 + len]).into_owned();
+        buf.drain(..end + 4 + len);
+        kept.lock().unwrap_or_else(|e| e.into_inner()).push(body);
+        let ok = "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}";
+        if conn.write_all(ok.as_bytes()).is_err() {
+            return;
+        }
+    }
+}

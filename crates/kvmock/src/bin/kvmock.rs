@@ -22,6 +22,12 @@ struct Cli {
     /// (default info).
     #[arg(long, default_value = "text", value_name = "text|json")]
     log_format: kvserve::logging::LogFormat,
+    /// Export an OpenTelemetry `llm_request` span per request, as vLLM does, to this OTLP/HTTP
+    /// collector URL (http://HOST:4318/v1/traces), continuing the caller's traceparent. The
+    /// latencies are emulated seconds (equal to wall seconds at --speedup 1); `kvsim calibrate
+    /// --spans` reads them as it reads vLLM's.
+    #[arg(long, value_name = "URL")]
+    otlp_traces_endpoint: Option<String>,
     /// Address to listen on.
     #[arg(long, default_value = "0.0.0.0", value_name = "HOST")]
     host: String,
@@ -297,7 +303,14 @@ fn main() {
             std::process::exit(2);
         }
     };
-    kvserve::logging::init(cli.log_format);
+    let endpoint = cli.otlp_traces_endpoint.as_deref();
+    let traces = match kvserve::logging::init_traced(cli.log_format, endpoint, "kvmock") {
+        Ok(guard) => guard,
+        Err(e) => {
+            eprintln!("kvmock: {e}");
+            std::process::exit(2);
+        }
+    };
     let s = match setup(&cli) {
         Ok(s) => s,
         Err(e) => {
@@ -320,4 +333,6 @@ fn main() {
         eprintln!("kvmock: {e}");
         std::process::exit(1);
     }
+    // The spans still queued go out before the process ends.
+    drop(traces);
 }
