@@ -449,17 +449,19 @@ impl Router {
     /// Applies one KV event of our own (for engines that do not speak vLLM's wire): `kind` is
     /// "stored" (`blocks` are sequence hashes from BlockHasher.hash, `parent` the hash of the
     /// block before them, if any), "removed" (`blocks`) or "cleared". `event_id` counts each
-    /// worker's events from 0: gaps and replays are detected.
+    /// worker's events from 0: a gap is applied and reported (`gap`: expected and got ids, the
+    /// worker is then possibly stale), an id already seen or a parent the worker does not hold
+    /// raises EventError. Returns what was applied (a dict of counts).
     #[pyo3(signature = (worker, event_id, kind, blocks = None, parent = None))]
-    fn apply_event(
+    fn apply_event<'py>(
         &self,
-        py: Python<'_>,
+        py: Python<'py>,
         worker: String,
         event_id: u64,
         kind: String,
         blocks: Option<Vec<u64>>,
         parent: Option<u64>,
-    ) -> PyResult<()> {
+    ) -> PyResult<Bound<'py, PyDict>> {
         let hashes = |b: Option<Vec<u64>>| -> Vec<BlockHash> {
             b.unwrap_or_default()
                 .into_iter()
@@ -493,13 +495,19 @@ impl Router {
                 .into())
             }
         };
-        self.with(py, |g| {
+        let a = self.with(py, |g| {
             let id = g.id(&worker)?;
             g.router
                 .apply_event(id, event_id, &event)
-                .map_err(Error::EventRejected)?;
-            Ok(())
-        })
+                .map_err(Error::EventRejected)
+        })?;
+        let d = PyDict::new(py);
+        d.set_item("gap", a.gap)?;
+        d.set_item("stored", a.stored)?;
+        d.set_item("already_present", a.already_present)?;
+        d.set_item("removed", a.removed)?;
+        d.set_item("unknown_removed", a.unknown_removed)?;
+        Ok(d)
     }
 
     /// Routes request `request_id` (an int, unique among requests in flight) with its prompt's
