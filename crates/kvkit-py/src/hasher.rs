@@ -1,27 +1,78 @@
 //! `kvkit.BlockHasher`: kvblock's hashing, and extra keys from Python values.
 
 use kvblock::{BlockSize, ExtraKeys};
+use pyo3::exceptions::PyTypeError;
+use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyFloat, PyInt, PyList, PyString, PyTuple};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBool, PyBytes, PyFloat, PyInt, PyList, PyString, PyTuple, PyType};
 
 use crate::errors::Error;
 
 /// Deepest nesting of tuples accepted in extra keys (deeper input is refused, not recursed).
 const MAX_KEY_DEPTH: usize = 32;
 
-/// Token ids from a Python sequence of ints (a list is read directly, anything else as a
-/// sequence). A value outside `0..2**32` raises OverflowError, a non-int TypeError.
+/// `array.array`, imported once.
+static ARRAY: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// Lists at least this long are read through `array.array("I", list)` (CPython's own loop,
+/// about half the time of reading each item here).
+const ARRAY_FROM: usize = 64;
+
+/// Token ids from native-endian 4-byte integers.
+fn from_ne_bytes(b: &[u8]) -> PyResult<Vec<u32>> {
+    if b.len() % 4 != 0 {
+        return Err(PyTypeError::new_err(format!(
+            "token_ids as bytes must hold 4-byte ids (array('I').tobytes()); got {} bytes",
+            b.len()
+        )));
+    }
+    Ok(b.chunks_exact(4)
+        .map(|c| u32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+/// An `array.array` of typecode "I" (4-byte unsigned ints) as bytes, or None.
+fn array_bytes<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyBytes>>> {
+    let py = obj.py();
+    let array = ARRAY.import(py, "array", "array")?;
+    if !obj.is_instance(array)?
+        || obj.getattr(intern!(py, "typecode"))?.extract::<String>()? != "I"
+        || obj.getattr(intern!(py, "itemsize"))?.extract::<usize>()? != 4
+    {
+        return Ok(None);
+    }
+    Ok(Some(obj.call_method0(intern!(py, "tobytes"))?.cast_into()?))
+}
+
+/// Token ids from Python: a list (or any sequence) of ints, an `array.array("I")`, or bytes
+/// of native-endian 4-byte ids. A value outside `0..2**32` raises OverflowError, a non-int
+/// TypeError.
 pub(crate) fn tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    let py = obj.py();
     if let Ok(list) = obj.cast::<PyList>() {
+        if list.len() >= ARRAY_FROM {
+            let array = ARRAY.import(py, "array", "array")?;
+            let packed = array.call1((intern!(py, "I"), list))?;
+            if let Some(b) = array_bytes(&packed)? {
+                return from_ne_bytes(b.as_bytes());
+            }
+        }
         let mut out = Vec::with_capacity(list.len());
         for item in list.iter() {
             out.push(item.extract::<u32>()?);
         }
         return Ok(out);
     }
-    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
-        return Err(pyo3::exceptions::PyTypeError::new_err(
-            "token_ids must be a sequence of ints, not str or bytes",
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        return from_ne_bytes(b.as_bytes());
+    }
+    if let Some(b) = array_bytes(obj)? {
+        return from_ne_bytes(b.as_bytes());
+    }
+    if obj.is_instance_of::<PyString>() {
+        return Err(PyTypeError::new_err(
+            "token_ids must be a sequence of ints, not str",
         ));
     }
     obj.extract::<Vec<u32>>()

@@ -1,6 +1,7 @@
 """Tests of the kvkit Python package: run by .ci/run against the built wheel in a fresh
 virtualenv (pytest and msgpack installed there)."""
 
+import array
 import json
 import os
 import pathlib
@@ -47,6 +48,9 @@ def test_hashes_equal_kvblock_test_vectors():
     assert h64.hash(list(range(128)))[1] == 0x23BD5EF232E90ECB
     assert h16.local_hashes(list(range(16)), salt="my-lora") == [0x6BE4509617B3E757]
     assert h16.hash(range(16)) == h16.hash(tuple(range(16)))  # any sequence of ints
+    long = list(range(100, 100 + 200))  # lists from 64 ids on are read through array("I")
+    packed = array.array("I", long)
+    assert h16.hash(long) == h16.hash(packed) == h16.hash(packed.tobytes()) == h16.hash(tuple(long))
 
 
 def test_extra_keys_equal_kvblock_vectors():
@@ -275,6 +279,12 @@ def test_bad_input_raises_the_right_exception():
         h.hash([-1] * 16)
     with pytest.raises(OverflowError):
         h.hash([2**32] * 16)
+    with pytest.raises(OverflowError):
+        h.hash([-1] * 100)
+    with pytest.raises(TypeError):
+        h.hash([1.5] * 100)
+    with pytest.raises(TypeError):
+        h.hash(b"\x00" * 10)  # not whole 4-byte ids
     with pytest.raises(TypeError):
         h.hash("sixteen tokens!!")
     with pytest.raises(TypeError):

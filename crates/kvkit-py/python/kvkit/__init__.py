@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, List, Mapping, Sequence, Union
+from typing import Any, Dict, List, Mapping, Sequence, Union, cast
 
 from ._kvkit import (
     BlockHasher,
@@ -31,6 +31,7 @@ from ._kvkit import (
     SimError,
     SnapshotError,
     __version__,
+    _bench_route,
     _run,
 )
 
@@ -67,7 +68,7 @@ def _value(name: str, v: Any) -> str:
     if isinstance(v, float):
         return repr(v)
     if isinstance(v, os.PathLike):
-        return os.fspath(v)
+        return str(os.fspath(v))
     raise TypeError(
         f"flag {name}: a value of type {type(v).__name__}; expected str, int, float, bool, "
         "a path or a list of them"
@@ -109,7 +110,7 @@ def simulate(**flags: FlagValue) -> Dict[str, Any]:
     """Simulates a fleet and returns the report of ``kvsim --format json`` as a dict. Every
     ``kvsim`` flag is a keyword with underscores: ``simulate(des_instances=8,
     des_routing="round_robin", des_kv_blocks=20000)``. Raises SimError for a bad flag."""
-    return _json([], flags)
+    return cast(Dict[str, Any], _json([], flags))
 
 
 def sweep(
@@ -129,20 +130,20 @@ def sweep(
     sub = ["sweep"]
     for p in params:
         sub += ["--param", p]
-    return _json(sub, flags)
+    return cast(List[Dict[str, Any]], _json(sub, flags))
 
 
 def capacity(**flags: FlagValue) -> Dict[str, Any]:
     """The highest arrival rate (or, with ``find="instances"``, the fewest instances) that
     meets the ``slo_*`` targets (``kvsim capacity``), as a dict with the answer and every
     probe."""
-    return _json(["capacity"], flags)
+    return cast(Dict[str, Any], _json(["capacity"], flags))
 
 
 def calibrate(**flags: FlagValue) -> Dict[str, Any]:
     """Fits the step-time model (``kvsim calibrate``) to measured steps (``steps="steps.csv"``)
     or request spans (``spans="traces.otel.jsonl"``), as a dict."""
-    return _json(["calibrate"], flags)
+    return cast(Dict[str, Any], _json(["calibrate"], flags))
 
 
 def trace_stats(
@@ -152,7 +153,7 @@ def trace_stats(
     sub = ["trace-stats", os.fspath(file)]
     if trace_block_size is not None:
         sub += ["--trace-block-size", str(trace_block_size)]
-    return json.loads(_run(["kvsim", *sub, "--format", "json"]))
+    return cast(Dict[str, Any], json.loads(_run(["kvsim", *sub, "--format", "json"])))
 
 
 def to_pandas(result: Any) -> Any:
@@ -160,7 +161,7 @@ def to_pandas(result: Any) -> Any:
     calibration's phases, or one report (one row, nested fields as ``ttft_ms.p50``). Needs
     pandas (not a dependency of kvkit)."""
     try:
-        import pandas as pd
+        import pandas as pd  # type: ignore[import-untyped,unused-ignore]
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("kvkit.to_pandas needs pandas: pip install pandas") from e
     if isinstance(result, list):
