@@ -197,7 +197,8 @@ impl BlockHasher {
         self.size.get()
     }
 
-    /// The sequence (chained) hash of every full block of `tokens`, as unsigned 64-bit ints.
+    /// The sequence (chained) hash of every full block of `tokens` (ints, an
+    /// `array.array("I")` or bytes of native-endian 4-byte ids), as unsigned 64-bit ints.
     /// `salt` is a LoRA adapter's name and `namespace` a cache namespace (both change the seed,
     /// so only requests with the same ones share blocks); `extra_keys` gives each block's
     /// extra keys (a list per block of str, bytes, int, float, bool, None or tuples of them),

@@ -511,7 +511,8 @@ impl Router {
     }
 
     /// Routes request `request_id` (an int, unique among requests in flight) with its prompt's
-    /// token ids and records it in flight on the chosen worker until `finish`. `salt` is the
+    /// token ids (a list of ints, an `array.array("I")` or bytes of native-endian 4-byte ids)
+    /// and records it in flight on the chosen worker until `finish`. `salt` is the
     /// LoRA adapter's name, `namespace` a cache namespace, `cache_salt` vLLM's request field
     /// (keys the first block), `extra_keys` each block's extra keys; `role` is "unified",
     /// "prefill" or "decode" (per-role weights). With `explain=True` the decision carries every

@@ -7,6 +7,9 @@ __version__: str
 # One block's extra keys: str, bytes, int, float, bool, None, or tuples (lists) of them.
 KeyValue = Union[str, bytes, int, float, bool, None, Tuple[Any, ...], List[Any]]
 ExtraKeys = Sequence[Optional[Sequence[KeyValue]]]
+# Token ids: ints (a list is fastest among sequences), an array.array("I"), or bytes of
+# native-endian 4-byte ids.
+TokenIds = Union[Iterable[int], bytes]
 
 class KvkitError(ValueError): ...
 class HashError(KvkitError): ...
@@ -23,14 +26,14 @@ class BlockHasher:
     def block_size(self) -> int: ...
     def hash(
         self,
-        tokens: Iterable[int],
+        tokens: TokenIds,
         salt: Optional[str] = None,
         extra_keys: Optional[ExtraKeys] = None,
         *,
         namespace: Optional[str] = None,
     ) -> List[int]: ...
     def local_hashes(
-        self, tokens: Iterable[int], salt: Optional[str] = None, *, namespace: Optional[str] = None
+        self, tokens: TokenIds, salt: Optional[str] = None, *, namespace: Optional[str] = None
     ) -> List[int]: ...
 
 class Candidate:
@@ -114,7 +117,7 @@ class Router:
     def route(
         self,
         request_id: int,
-        token_ids: Iterable[int],
+        token_ids: TokenIds,
         salt: Optional[str] = None,
         *,
         namespace: Optional[str] = None,
@@ -125,7 +128,7 @@ class Router:
     ) -> Decision: ...
     def explain(
         self,
-        token_ids: Iterable[int],
+        token_ids: TokenIds,
         salt: Optional[str] = None,
         *,
         namespace: Optional[str] = None,
