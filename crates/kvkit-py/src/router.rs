@@ -2,7 +2,7 @@
 //! workers named by strings.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use kvblock::{BlockHash, BlockHasher, BlockSize, ExtraKeys};
@@ -27,7 +27,7 @@ struct Inner {
     router: kvroute::Router,
     ingest: VllmIngest,
     ids: BTreeMap<String, WorkerId>,
-    names: HashMap<WorkerId, String>,
+    names: HashMap<WorkerId, Arc<str>>,
     next_id: u64,
 }
 
@@ -39,11 +39,25 @@ impl Inner {
             .ok_or_else(|| Error::UnknownWorker(name.to_string()))
     }
 
-    fn name(&self, id: WorkerId) -> String {
+    fn candidate(&self, c: &kvroute::Candidate) -> Candidate {
+        Candidate {
+            worker: self.name(c.worker),
+            cache_hits: c.cache_hits,
+            active_blocks: c.active_blocks,
+            pending_prefill_blocks: c.pending_prefill_blocks,
+            decode_blocks: c.decode_blocks,
+            busy: c.busy,
+            lower_tier_hits: c.lower_tier_hits,
+            cost: c.cost,
+        }
+    }
+
+    /// A worker's name (shared: a decision clones a reference, not the string).
+    fn name(&self, id: WorkerId) -> Arc<str> {
         self.names
             .get(&id)
             .cloned()
-            .unwrap_or_else(|| id.get().to_string())
+            .unwrap_or_else(|| Arc::from(id.get().to_string()))
     }
 }
 
@@ -123,29 +137,61 @@ fn seconds(name: &'static str, s: f64) -> Result<Duration, Error> {
 }
 
 /// One worker's score for a request (see `Router.explain`).
-#[pyclass(frozen, get_all, module = "kvkit")]
+#[pyclass(frozen, module = "kvkit")]
 #[derive(Debug, Clone)]
 pub struct Candidate {
-    /// The worker's name.
-    worker: String,
-    /// The leading run of the request's blocks the router believes it holds.
+    worker: Arc<str>,
     cache_hits: usize,
-    /// Its distinct in-flight prompt blocks.
     active_blocks: usize,
-    /// The uncached prompt blocks of its requests not past their first token.
     pending_prefill_blocks: usize,
-    /// The distinct prompt blocks of its requests past their first token.
     decode_blocks: usize,
-    /// Whether the busy threshold counts it busy.
     busy: bool,
-    /// Blocks after `cache_hits` it holds on a lower tier (host memory, disk).
     lower_tier_hits: usize,
-    /// Its cost under the router's cost model (lowest wins).
     cost: f64,
 }
 
 #[pymethods]
 impl Candidate {
+    /// The worker's name.
+    #[getter]
+    fn worker(&self) -> &str {
+        &self.worker
+    }
+    /// The leading run of the request's blocks the router believes it holds.
+    #[getter]
+    fn cache_hits(&self) -> usize {
+        self.cache_hits
+    }
+    /// Its distinct in-flight prompt blocks.
+    #[getter]
+    fn active_blocks(&self) -> usize {
+        self.active_blocks
+    }
+    /// The uncached prompt blocks of its requests not past their first token.
+    #[getter]
+    fn pending_prefill_blocks(&self) -> usize {
+        self.pending_prefill_blocks
+    }
+    /// The distinct prompt blocks of its requests past their first token.
+    #[getter]
+    fn decode_blocks(&self) -> usize {
+        self.decode_blocks
+    }
+    /// Whether the busy threshold counts it busy.
+    #[getter]
+    fn busy(&self) -> bool {
+        self.busy
+    }
+    /// Blocks after `cache_hits` it holds on a lower tier (host memory, disk).
+    #[getter]
+    fn lower_tier_hits(&self) -> usize {
+        self.lower_tier_hits
+    }
+    /// Its cost under the router's cost model (lowest wins).
+    #[getter]
+    fn cost(&self) -> f64 {
+        self.cost
+    }
     fn __repr__(&self) -> String {
         format!(
             "Candidate(worker={:?}, cache_hits={}, active_blocks={}, cost={:?})",
@@ -158,7 +204,7 @@ impl Candidate {
 #[pyclass(frozen, module = "kvkit")]
 #[derive(Debug, Clone)]
 pub struct Decision {
-    worker: String,
+    worker: Arc<str>,
     cache_hits: usize,
     cost: f64,
     request_blocks: usize,
@@ -385,7 +431,7 @@ impl Router {
             let id = WorkerId::new(g.next_id);
             g.next_id += 1;
             g.router.add_worker(id);
-            g.names.insert(id, name.clone());
+            g.names.insert(id, Arc::from(name.as_str()));
             g.ids.insert(name, id);
             Ok(true)
         })
@@ -406,7 +452,11 @@ impl Router {
     /// The registered workers' names, in the order they were added.
     fn workers(&self, py: Python<'_>) -> PyResult<Vec<String>> {
         self.with(py, |g| {
-            Ok(g.router.workers().into_iter().map(|w| g.name(w)).collect())
+            Ok(g.router
+                .workers()
+                .into_iter()
+                .map(|w| g.name(w).to_string())
+                .collect())
         })
     }
 
@@ -562,20 +612,7 @@ impl Router {
                 cost: d.cost,
                 request_blocks: d.request_blocks,
                 lower_tier_hits: d.lower_tier_hits,
-                candidates: candidates.map(|cs| {
-                    cs.iter()
-                        .map(|c| Candidate {
-                            worker: g.name(c.worker),
-                            cache_hits: c.cache_hits,
-                            active_blocks: c.active_blocks,
-                            pending_prefill_blocks: c.pending_prefill_blocks,
-                            decode_blocks: c.decode_blocks,
-                            busy: c.busy,
-                            lower_tier_hits: c.lower_tier_hits,
-                            cost: c.cost,
-                        })
-                        .collect()
-                }),
+                candidates: candidates.map(|cs| cs.iter().map(|c| g.candidate(c)).collect()),
             })
         })
     }
@@ -605,16 +642,7 @@ impl Router {
             Ok(g.router
                 .explain(&blocks, role)
                 .iter()
-                .map(|c| Candidate {
-                    worker: g.name(c.worker),
-                    cache_hits: c.cache_hits,
-                    active_blocks: c.active_blocks,
-                    pending_prefill_blocks: c.pending_prefill_blocks,
-                    decode_blocks: c.decode_blocks,
-                    busy: c.busy,
-                    lower_tier_hits: c.lower_tier_hits,
-                    cost: c.cost,
-                })
+                .map(|c| g.candidate(c))
                 .collect())
         })
     }
@@ -690,7 +718,11 @@ impl Router {
             let mut ids = BTreeMap::new();
             let mut names = HashMap::new();
             for (name, id) in doc.workers {
-                if id >= doc.next_id || names.insert(WorkerId::new(id), name.clone()).is_some() {
+                if id >= doc.next_id
+                    || names
+                        .insert(WorkerId::new(id), Arc::from(name.as_str()))
+                        .is_some()
+                {
                     return Err(Error::Snapshot(format!("worker {name:?} has a bad id {id}")));
                 }
                 if ids.insert(name.clone(), WorkerId::new(id)).is_some() {
