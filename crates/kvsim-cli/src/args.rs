@@ -404,6 +404,10 @@ pub(crate) struct RunArgs {
     /// No progress bar.
     #[arg(long, short, help_heading = "Output")]
     quiet: bool,
+    /// Whether the caller draws progress bars at all (the command does; a library call
+    /// through [`crate::run`] does not): not a flag.
+    #[arg(skip)]
+    pub(crate) bars: bool,
 }
 
 /// The help heading of the timing flags.
@@ -848,9 +852,10 @@ impl RunArgs {
         self.verbose
     }
 
-    /// Whether to draw progress: stderr is a terminal and --quiet is not set.
+    /// Whether to draw progress: the caller draws bars, stderr is a terminal and --quiet is
+    /// not set.
     pub(crate) fn progress(&self) -> bool {
-        !self.quiet && std::io::stderr().is_terminal()
+        self.bars && !self.quiet && std::io::stderr().is_terminal()
     }
 }
 

@@ -3,14 +3,18 @@
 
 use std::fmt::Write as _;
 use std::path::Path;
-use std::process::ExitCode;
 
 use kvsim::{PhaseComparison, SpanFitOptions};
 
 use crate::args::{flagged, CalibrateArgs};
-use crate::{emit, plot, usage_error};
+use crate::{plot, Error};
 
-pub(crate) fn main(args: &CalibrateArgs) -> ExitCode {
+/// A usage error.
+fn usage_error(msg: impl Into<String>) -> Result<String, Error> {
+    Err(Error::Usage(msg.into()))
+}
+
+pub(crate) fn main(args: &CalibrateArgs) -> Result<String, Error> {
     match (&args.steps, &args.run.spans) {
         (Some(file), _) => steps(file, if args.run.json() { "json" } else { "text" }),
         (None, Some(file)) => spans(args, file),
@@ -50,7 +54,7 @@ fn parse_phases(s: &str) -> Result<Vec<usize>, String> {
     Ok(out)
 }
 
-fn spans(args: &CalibrateArgs, file: &Path) -> ExitCode {
+fn spans(args: &CalibrateArgs, file: &Path) -> Result<String, Error> {
     let mut cfg = match args.run.config() {
         Ok(c) => c,
         Err(msg) => return usage_error(msg),
@@ -143,11 +147,10 @@ fn spans(args: &CalibrateArgs, file: &Path) -> ExitCode {
             "evaluations": fit.evaluations,
             "flags": flags.join(" "),
         });
-        emit(&format!(
+        return Ok(format!(
             "{}\n",
             serde_json::to_string_pretty(&doc).unwrap_or_default()
         ));
-        return ExitCode::SUCCESS;
     }
     let mut out = String::new();
     let fitted = fit.phases.iter().filter(|p| p.fitted).count();
@@ -186,8 +189,7 @@ fn spans(args: &CalibrateArgs, file: &Path) -> ExitCode {
         out.push_str(&line("held-out phases", &fit.held_out));
     }
     let _ = writeln!(out, "  Flags: {}", flags.join(" "));
-    emit(&out);
-    ExitCode::SUCCESS
+    Ok(out)
 }
 
 /// Each phase measured against simulated: mean TTFT, ITL and mean E2E, ms.
@@ -228,7 +230,7 @@ pub(crate) fn significant(x: f64, digits: i32) -> String {
     ((x * scale).round() / scale).to_string()
 }
 
-fn steps(file: &std::path::Path, format: &str) -> ExitCode {
+fn steps(file: &std::path::Path, format: &str) -> Result<String, Error> {
     let fit = match kvsim::load_steps(file).and_then(|s| kvsim::fit_linear(&s)) {
         Ok(f) => f,
         Err(e @ kvsim::Error::Fit(_)) => {
@@ -238,8 +240,7 @@ fn steps(file: &std::path::Path, format: &str) -> ExitCode {
     };
     if format == "json" {
         let json = serde_json::to_string_pretty(&fit).unwrap_or_default();
-        emit(&format!("{json}\n"));
-        return ExitCode::SUCCESS;
+        return Ok(format!("{json}\n"));
     }
     use std::fmt::Write as _;
     let mut out = String::new();
@@ -291,6 +292,5 @@ fn steps(file: &std::path::Path, format: &str) -> ExitCode {
         .map(|(f, v, _)| format!("{f} {}", significant(*v, 6)))
         .collect();
     let _ = writeln!(out, "  Flags: {}", flags.join(" "));
-    emit(&out);
-    ExitCode::SUCCESS
+    Ok(out)
 }

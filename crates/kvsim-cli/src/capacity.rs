@@ -14,13 +14,13 @@
 //! instances); a pass beyond a failure is shown in the table but does not move the bracket.
 
 use std::fmt::Write as _;
-use std::process::ExitCode;
 use std::time::Instant;
 
 use kvsim::{Report, SimConfig, TraceTiming};
 use serde::Serialize;
 
 use crate::args::CapacityArgs;
+use crate::{Error, Options};
 
 /// Relative width of the rate bracket at which the search stops early.
 const RATE_TOLERANCE: f64 = 0.005;
@@ -191,11 +191,8 @@ fn probe(x: f64, round: usize, r: &Report, target: f64) -> Probe {
     }
 }
 
-pub(crate) fn main(args: &CapacityArgs) -> ExitCode {
-    let fail = |msg: String| {
-        eprintln!("kvsim: {msg}");
-        ExitCode::from(2)
-    };
+pub(crate) fn main(args: &CapacityArgs, opts: &Options) -> Result<String, Error> {
+    let fail = |msg: String| Err(Error::Usage(msg));
     let cfg = match args.batch.run.config() {
         Ok(c) => c,
         Err(e) => return fail(e),
@@ -295,6 +292,7 @@ pub(crate) fn main(args: &CapacityArgs) -> ExitCode {
     let mut order: Vec<usize> = (0..probes.len()).collect();
     order.sort_by(|&a, &b| probes[a].x.total_cmp(&probes[b].x));
     let slo = reports.first().and_then(|r| r.slo.as_ref());
+    let mut text;
     if args.batch.run.json() {
         let out = Outcome {
             find: match find {
@@ -308,7 +306,7 @@ pub(crate) fn main(args: &CapacityArgs) -> ExitCode {
             probes: order.iter().map(|&i| probes[i].clone()).collect(),
         };
         let json = serde_json::to_string_pretty(&out).unwrap_or_default();
-        crate::emit(&format!("{json}\n"));
+        text = format!("{json}\n");
     } else {
         let head = reports.first().map_or_else(String::new, |r| {
             format!(
@@ -321,23 +319,18 @@ pub(crate) fn main(args: &CapacityArgs) -> ExitCode {
                 }
             )
         });
-        crate::emit(&to_table(
-            find,
-            args.attainment,
-            slo,
-            &head,
-            &probes,
-            &order,
-        ));
-        crate::emit(&answer_line(find, args, pass, failure, &probes));
+        text = to_table(find, args.attainment, slo, &head, &probes, &order);
+        text.push_str(&answer_line(find, args, pass, failure, &probes));
     }
-    eprintln!(
-        "kvsim: capacity search: {} runs in {} rounds, {:.2} s wall time",
-        probes.len(),
-        round,
-        wall.as_secs_f64()
-    );
-    ExitCode::SUCCESS
+    if opts.notes {
+        eprintln!(
+            "kvsim: capacity search: {} runs in {} rounds, {:.2} s wall time",
+            probes.len(),
+            round,
+            wall.as_secs_f64()
+        );
+    }
+    Ok(text)
 }
 
 fn targets(slo: Option<&kvsim::SloReport>) -> String {

@@ -1,7 +1,6 @@
 //! `kvsim sweep`: one simulation per value of a run parameter, on every core.
 
 use std::fmt::Write as _;
-use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
@@ -10,6 +9,7 @@ use kvsim::{Report, SimConfig, Simulation};
 
 use crate::args::{flagged, Batch, SweepArgs};
 use crate::row::Row;
+use crate::Error;
 
 /// A progress bar on stderr.
 pub(crate) fn bar(total: u64, unit: &str) -> ProgressBar {
@@ -75,14 +75,12 @@ pub(crate) fn run_all(
         .collect()
 }
 
-pub(crate) fn main(args: &SweepArgs, name: &str, configs: Vec<(String, SimConfig)>) -> ExitCode {
-    let reports = match run_all(&configs, &args.batch) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("kvsim: {e}");
-            return ExitCode::from(2);
-        }
-    };
+pub(crate) fn main(
+    args: &SweepArgs,
+    name: &str,
+    configs: Vec<(String, SimConfig)>,
+) -> Result<String, Error> {
+    let reports = run_all(&configs, &args.batch).map_err(Error::Usage)?;
     let rows: Vec<Row> = configs
         .iter()
         .zip(&reports)
@@ -90,28 +88,25 @@ pub(crate) fn main(args: &SweepArgs, name: &str, configs: Vec<(String, SimConfig
         .collect();
     if let Some(path) = &args.csv {
         if let Err(e) = std::fs::write(path, to_csv(&rows)) {
-            eprintln!("kvsim: --csv {}: {e}", path.display());
-            return ExitCode::from(2);
+            return Err(Error::Usage(format!("--csv {}: {e}", path.display())));
         }
     }
     if let Some(path) = &args.plot {
         if let Err(e) = crate::plot::draw(path, name, &rows) {
-            eprintln!("kvsim: --plot {}: {e}", path.display());
-            return ExitCode::from(2);
+            return Err(Error::Usage(format!("--plot {}: {e}", path.display())));
         }
     }
     if args.batch.run.json() {
         let json = serde_json::to_string_pretty(&rows).unwrap_or_default();
-        crate::emit(&format!("{json}\n"));
+        Ok(format!("{json}\n"))
     } else {
         let head = reports
             .first()
             .map(|r| r.to_text(false))
             .unwrap_or_default();
         let fleet = head.lines().next().unwrap_or("").trim();
-        crate::emit(&to_table(name, fleet, &rows));
+        Ok(to_table(name, fleet, &rows))
     }
-    ExitCode::SUCCESS
 }
 
 fn to_csv(rows: &[Row]) -> String {
