@@ -105,3 +105,36 @@ fn json_lines_carry_the_request_id_and_rust_log_filters_them() {
         lines(&log)
     );
 }
+
+#[test]
+fn with_tracing_on_a_requests_lines_name_its_trace() {
+    let collector = kvtest::net::OtlpReceiver::start();
+    let engine = Engine::start();
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("kvrouter.log");
+    let port = free_port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvrouter"))
+        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .args(["--worker", &engine.spec(), "--log-format", "json"])
+        .args(["--otlp-traces-endpoint", &collector.endpoint()])
+        .env("RUST_LOG", "kvrouter::proxy=debug,warn")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    wait_healthy(port, &mut child, "kvrouter");
+    let _router = Proc(child);
+    let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    post_with(
+        port,
+        &format!("traceparent: 00-{trace}-00f067aa0ba902b7-01\r\nx-request-id: t-1\r\n"),
+    );
+    eventually("the decision is logged", Duration::from_secs(10), || {
+        routed_ids(&log).contains(&"t-1".to_string())
+    });
+    let routed = lines(&log)
+        .into_iter()
+        .find(|l| l["fields"]["message"] == "routed")
+        .unwrap();
+    assert_eq!(routed["span"]["trace_id"], trace, "{routed}");
+}
