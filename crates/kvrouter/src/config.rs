@@ -92,6 +92,14 @@ pub struct Config {
     /// released at the 504, though the engine may still run it.
     #[arg(long, default_value_t = 600.0, value_name = "SECONDS", value_parser = parse_timeout)]
     pub upstream_timeout_s: f64,
+    /// Requests forwarded at once, streams included (0: no limit). Past it, requests wait in a
+    /// first-in, first-out queue for at most --queue-timeout-ms, then get 429 with Retry-After.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub max_concurrency: usize,
+    /// How long a request may wait for one of --max-concurrency's places before its 429,
+    /// milliseconds.
+    #[arg(long, default_value_t = 30_000, value_name = "MS")]
+    pub queue_timeout_ms: u64,
     /// kv-aware policy: seed (W x missed blocks + active blocks) or prefill-aware (W x
     /// (pending prefill + missed blocks) + decode blocks; a streamed request decodes from its
     /// first chunk on, a plain one counts as prefilling until it finishes).

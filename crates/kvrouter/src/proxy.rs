@@ -244,6 +244,8 @@ fn chat_tokens(server: &Server, req: &Request, keys: &RequestKeys) -> Result<Vec
 struct Finish {
     server: Arc<Server>,
     id: RequestId,
+    /// The request's place under --max-concurrency, given back with the response's end.
+    place: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 impl Drop for Finish {
@@ -252,6 +254,44 @@ impl Drop for Finish {
         let mut m = self.server.mirror();
         let _ = m.router.finish(self.id);
         self.server.flush_deltas(&mut m.router);
+    }
+}
+
+/// A place under `--max-concurrency` (none without a limit), waited for in arrival order for at
+/// most `--queue-timeout-ms`; past it, 429 with `Retry-After`.
+async fn admit(server: &Server) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, Response> {
+    let Some(places) = &server.places else {
+        return Ok(None);
+    };
+    let c = &server.counters;
+    let started = Instant::now();
+    c.queued.fetch_add(1, Ordering::Relaxed);
+    let limit = std::time::Duration::from_millis(server.cfg.queue_timeout_ms);
+    let got = tokio::time::timeout(limit, Arc::clone(places).acquire_owned())
+        .instrument(tracing::info_span!("queue"))
+        .await;
+    c.queued.fetch_sub(1, Ordering::Relaxed);
+    server
+        .queue_wait
+        .observe(started.elapsed().as_micros() as u64);
+    match got {
+        Ok(Ok(place)) => Ok(Some(place)),
+        // Timed out (or, never, the semaphore closed).
+        _ => {
+            c.rejected_busy.fetch_add(1, Ordering::Relaxed);
+            let mut busy = error(
+                StatusCode::TOO_MANY_REQUESTS,
+                "RateLimitError",
+                format!(
+                    "the router is at --max-concurrency {} and no place freed within \
+                     --queue-timeout-ms {}",
+                    server.cfg.max_concurrency, server.cfg.queue_timeout_ms
+                ),
+            );
+            busy.headers_mut()
+                .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+            Err(busy)
+        }
     }
 }
 
@@ -270,6 +310,10 @@ async fn forward(
     // The one keying rule (LoRA adapter, cache salt), shared with the engine emulator.
     let bs = kvblock::BlockSize::new(server.cfg.block_size).unwrap_or_default();
     let (salt, extra) = (keys.salt(), keys.extra_keys(bs, tokens.len()));
+    let mut place = match admit(&server).await {
+        Ok(place) => place,
+        Err(busy) => return busy,
+    };
     for _ in 0..server.workers().len().max(1) {
         let id = server.next_request_id();
         let started = Instant::now();
@@ -317,9 +361,10 @@ async fn forward(
         route_span.record("cost", d.cost);
         // Not held across the upstream call (the guard is not Send).
         drop(_entered);
-        let guard = Finish {
+        let mut guard = Finish {
             server: Arc::clone(&server),
             id,
+            place: None,
         };
         let Some(worker) = server.worker(d.worker) else {
             continue;
@@ -382,6 +427,7 @@ async fn forward(
                     .hit_blocks
                     .fetch_add(d.cache_hits as u64, Ordering::Relaxed);
                 server.set_down(&worker, false);
+                guard.place = place.take();
                 return stream_back(resp, guard, worker);
             }
             Err(e) if e.is_connect() => {
@@ -415,6 +461,7 @@ fn stream_back(
     worker: Arc<Worker>,
 ) -> Response {
     let (parts, body) = resp.into_parts();
+    let served = header::HeaderValue::from_str(&worker.spec.name).ok();
     // A streamed response's first chunk carries the first token; a plain one arrives whole at
     // the end, so its request counts as prefilling until it finishes.
     let streamed = parts
@@ -459,6 +506,10 @@ fn stream_back(
     if let Some(len) = parts.headers.get(header::CONTENT_LENGTH) {
         out.headers_mut()
             .insert(header::CONTENT_LENGTH, len.clone());
+    }
+    // Which worker served it.
+    if let Some(v) = served {
+        out.headers_mut().insert("x-kvkit-worker", v);
     }
     out
 }

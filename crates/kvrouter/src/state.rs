@@ -82,6 +82,10 @@ pub struct Counters {
     pub deltas_rejected: AtomicU64,
     /// Snapshots stored.
     pub snapshots: AtomicU64,
+    /// Requests waiting for a place under --max-concurrency.
+    pub queued: AtomicU64,
+    /// Requests turned away with 429 after --queue-timeout-ms.
+    pub rejected_busy: AtomicU64,
     /// How long the start took to catch up with the event stream, milliseconds.
     pub catch_up_ms: AtomicU64,
     /// 1 when the start restored a snapshot.
@@ -111,6 +115,11 @@ pub struct Server {
     pub route_latency: Histogram,
     /// From a KV-event batch's publication (its `ts`) to its application here.
     pub kv_event_lag: Histogram,
+    /// How long requests waited for a place under --max-concurrency.
+    pub queue_wait: Histogram,
+    /// The places of --max-concurrency (none without a limit), handed out first come, first
+    /// served.
+    pub places: Option<Arc<tokio::sync::Semaphore>>,
     next_request: AtomicU64,
     pub(crate) client: HttpClient,
     /// The router's clock (predicted blocks lapse by it) starts with the server.
@@ -140,6 +149,8 @@ impl std::fmt::Debug for Server {
 impl Server {
     /// The state for `cfg`: the router, the static workers, the tokenizer.
     pub fn new(cfg: Config) -> Result<Self, ServerError> {
+        let places = (cfg.max_concurrency > 0)
+            .then(|| Arc::new(tokio::sync::Semaphore::new(cfg.max_concurrency)));
         let block_size = BlockSize::new(cfg.block_size).map_err(|e| ServerError::Setting {
             flag: "--block-size",
             message: e.to_string(),
@@ -226,6 +237,8 @@ impl Server {
             counters: Counters::default(),
             route_latency: Histogram::new(&LATENCY_BUCKETS_US),
             kv_event_lag: Histogram::new(&LAG_BUCKETS_US),
+            queue_wait: Histogram::new(&LAG_BUCKETS_US),
+            places,
             // A run's request ids never repeat an earlier run's: other replicas remember a
             // replica's finished ids for a while, and would ignore a restarted one's.
             next_request: AtomicU64::new(first_request_id()),
@@ -412,6 +425,7 @@ impl Server {
             ("kvrouter_load_deltas_applied_total", "Other replicas' load deltas applied (--router-replica-sync).", &c.deltas_applied),
             ("kvrouter_load_deltas_rejected_total", "Other replicas' load-delta messages that did not parse.", &c.deltas_rejected),
             ("kvrouter_snapshots_total", "Mirror snapshots stored (--kv-event-transport nats).", &c.snapshots),
+            ("kvrouter_rejected_busy_total", "Requests answered 429 after waiting --queue-timeout-ms for a place under --max-concurrency.", &c.rejected_busy),
         ] {
             counter(name, help, get(v));
         }
@@ -498,6 +512,16 @@ impl Server {
             &mut out,
             "kvrouter_route_seconds",
             "Route decision latency (tokenising excluded).",
+        );
+        let _ = writeln!(
+            out,
+            "# HELP kvrouter_queue_depth Requests waiting for a place under --max-concurrency.\n# TYPE kvrouter_queue_depth gauge\nkvrouter_queue_depth {}",
+            get(&c.queued)
+        );
+        self.queue_wait.write(
+            &mut out,
+            "kvrouter_queue_wait_seconds",
+            "How long requests waited for a place under --max-concurrency.",
         );
         self.kv_event_lag.write(
             &mut out,
