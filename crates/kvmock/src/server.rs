@@ -45,6 +45,29 @@ pub struct ApiConfig {
     /// their `model`, and `/v1/models` lists each with the base model as its `parent`, as vLLM
     /// does.
     pub lora_modules: Vec<LoraModule>,
+    /// Faults to inject, for testing what stands in front of the engine.
+    pub faults: Faults,
+}
+
+/// Faults `kvmock` injects (llm-d's inference simulator has the like): each is off by default.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Faults {
+    /// The share of completion requests answered 500 at once (0 to 1; which ones is fixed by
+    /// the seed and the request's number).
+    pub error_rate: f64,
+    /// How long every completion request waits before it is handled, milliseconds.
+    pub stall_ms: u64,
+}
+
+impl Faults {
+    /// Whether request number `n` is one to answer 500.
+    fn fails(&self, seed: u64, n: u64) -> bool {
+        if self.error_rate <= 0.0 {
+            return false;
+        }
+        let draw = xxhash_rust::xxh3::xxh3_64_with_seed(&n.to_le_bytes(), seed ^ 0xfa017);
+        (draw as f64 / u64::MAX as f64) < self.error_rate
+    }
 }
 
 /// A LoRA adapter of `--lora-modules`: its name and where it would be loaded from (kvmock
@@ -97,6 +120,8 @@ struct AppState {
     cfg: ApiConfig,
     engine: EngineHandle,
     next_id: AtomicU64,
+    /// Completion requests seen by the fault injection.
+    faulted: AtomicU64,
     created: u64,
 }
 
@@ -109,6 +134,7 @@ pub fn app(cfg: ApiConfig, engine: EngineHandle) -> Router {
         cfg,
         engine,
         next_id: AtomicU64::new(0),
+        faulted: AtomicU64::new(0),
         created,
     });
     Router::new()
@@ -588,7 +614,27 @@ async fn read_body(req: axum::extract::Request) -> Result<Bytes, ApiError> {
         })
 }
 
+/// The injected faults' answer to a request, if any: a stall, then perhaps a 500.
+async fn inject_faults(st: &AppState) -> Option<Response> {
+    let f = st.cfg.faults;
+    if f.stall_ms > 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(f.stall_ms)).await;
+    }
+    let n = st.faulted.fetch_add(1, Ordering::Relaxed);
+    f.fails(st.cfg.seed, n).then(|| {
+        error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "InternalServerError",
+            "an injected fault (--fault-error-rate)".into(),
+        )
+        .into_response()
+    })
+}
+
 async fn completions(State(st): State<Arc<AppState>>, req: axum::extract::Request) -> Response {
+    if let Some(fault) = inject_faults(&st).await {
+        return fault;
+    }
     let arrived = Instant::now();
     let ids = Ids::of(req.headers());
     match read_body(req)
@@ -604,6 +650,9 @@ async fn chat_completions(
     State(st): State<Arc<AppState>>,
     req: axum::extract::Request,
 ) -> Response {
+    if let Some(fault) = inject_faults(&st).await {
+        return fault;
+    }
     let arrived = Instant::now();
     let ids = Ids::of(req.headers());
     match read_body(req).await.and_then(|b| prepare_chat(&st, &b)) {

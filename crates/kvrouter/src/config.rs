@@ -100,6 +100,26 @@ pub struct Config {
     /// milliseconds.
     #[arg(long, default_value_t = 30_000, value_name = "MS")]
     pub queue_timeout_ms: u64,
+    /// Tries on other workers when a worker fails a request before its first byte reached the
+    /// client (a refused connection, a 5xx answer, --upstream-timeout-s, a broken exchange);
+    /// each goes to the best worker not tried yet for the request.
+    #[arg(long, default_value_t = 2, value_name = "N")]
+    pub retries: usize,
+    /// Wait before the first retry, milliseconds; each later retry waits twice as long, every
+    /// wait drawn between half and one and a half times that (jitter).
+    #[arg(long, default_value_t = 20, value_name = "MS")]
+    pub retry_backoff_ms: u64,
+    /// A worker's circuit breaker opens after this many failures within --breaker-window-s
+    /// (0: never): the worker gets no requests for --breaker-cooldown-s, then requests try it
+    /// again (half-open) and the next success closes the breaker, the next failure reopens it.
+    #[arg(long, default_value_t = 5, value_name = "N")]
+    pub breaker_failures: usize,
+    /// How far back a breaker counts failures, seconds.
+    #[arg(long, default_value_t = 30.0, value_name = "SECONDS", value_parser = parse_timeout)]
+    pub breaker_window_s: f64,
+    /// How long an open breaker keeps its worker out of routing, seconds.
+    #[arg(long, default_value_t = 5.0, value_name = "SECONDS", value_parser = parse_timeout)]
+    pub breaker_cooldown_s: f64,
     /// kv-aware policy: seed (W x missed blocks + active blocks) or prefill-aware (W x
     /// (pending prefill + missed blocks) + decode blocks; a streamed request decodes from its
     /// first chunk on, a plain one counts as prefilling until it finishes).

@@ -31,6 +31,7 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+pub mod breaker;
 pub mod config;
 pub mod discovery;
 pub mod events;

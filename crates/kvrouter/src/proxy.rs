@@ -314,12 +314,20 @@ async fn forward(
         Ok(place) => place,
         Err(busy) => return busy,
     };
-    for _ in 0..server.workers().len().max(1) {
+    // Workers that failed this request before its first byte: not tried again for it.
+    let mut tried: Vec<Arc<Worker>> = Vec::new();
+    let mut last_failure = None;
+    for attempt in 0..=server.cfg.retries {
+        if attempt > 0 {
+            server.counters.retries.fetch_add(1, Ordering::Relaxed);
+            tokio::time::sleep(backoff(server.cfg.retry_backoff_ms, attempt)).await;
+        }
         let id = server.next_request_id();
         let started = Instant::now();
         let route_span = tracing::info_span!(
             "route",
             policy = ?server.cfg.router_policy,
+            attempt = attempt as i64,
             candidates = server.workers().len() as i64,
             worker = tracing::field::Empty,
             hits = tracing::field::Empty,
@@ -330,22 +338,23 @@ async fn forward(
         let decision = {
             let mut mirror = server.mirror();
             mirror.router.set_clock(server.started.elapsed());
+            // The workers tried already are out of this decision only.
+            for w in &tried {
+                mirror.router.set_routable(w.id, false);
+            }
             let d = mirror
                 .router
                 .route_tokens_keyed(id, tokens, &salt, &extra, Role::Unified);
+            for w in &tried {
+                mirror.router.set_routable(w.id, server.routable(w));
+            }
             server.flush_deltas(&mut mirror.router);
             d
         };
         server.observe_route(started.elapsed().as_micros() as u64);
         let d = match decision {
             Ok(d) => d,
-            Err(kvroute::Error::NoWorkers) => {
-                return error(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "ServiceUnavailableError",
-                    "no worker is available",
-                )
-            }
+            Err(kvroute::Error::NoWorkers) => break,
             Err(e) => {
                 return error(
                     StatusCode::INTERNAL_SERVER_ERROR,
@@ -370,31 +379,10 @@ async fn forward(
             continue;
         };
         log::decision(&worker, &d);
-        let mut req = hyper::Request::post(format!("{}{path}", worker.spec.url))
-            .header(header::CONTENT_TYPE, "application/json");
-        // The client's credentials, and the request id (vLLM names its request by it).
-        for name in [header::AUTHORIZATION, REQUEST_ID.clone()] {
-            if let Some(v) = headers.get(&name) {
-                req = req.header(name, v.clone());
-            }
-        }
-        // The trace goes on to the engine: this request's span with tracing on, else the
-        // caller's headers as they came.
+        tried.push(Arc::clone(&worker));
         let upstream_span =
             tracing::info_span!("upstream", worker = %worker.spec.name, otel.kind = "client");
-        let traced = kvserve::logging::trace_headers(&upstream_span);
-        if traced.is_empty() {
-            for name in ["traceparent", "tracestate"] {
-                if let Some(v) = headers.get(name) {
-                    req = req.header(name, v.clone());
-                }
-            }
-        }
-        for (name, v) in traced {
-            req = req.header(name, v);
-        }
-        let req = req.body(Full::new(body.clone()));
-        let req = match req {
+        let req = match upstream_request(&worker, path, &body, headers, &upstream_span) {
             Ok(r) => r,
             Err(e) => return bad(format!("cannot forward the request: {e}")),
         };
@@ -402,23 +390,9 @@ async fn forward(
         let sent = tokio::time::timeout(limit, server.client.request(req))
             .instrument(upstream_span)
             .await;
-        let sent = match sent {
-            Ok(sent) => sent,
-            // Sent, and perhaps running: not tried elsewhere.
-            Err(_) => {
-                worker.upstream_errors.fetch_add(1, Ordering::Relaxed);
-                return error(
-                    StatusCode::GATEWAY_TIMEOUT,
-                    "GatewayTimeoutError",
-                    format!(
-                        "worker {} did not answer within --upstream-timeout-s {}",
-                        worker.spec.name, server.cfg.upstream_timeout_s
-                    ),
-                );
-            }
-        };
-        match sent {
-            Ok(resp) => {
+        let last_try = attempt == server.cfg.retries;
+        let failure = match sent {
+            Ok(Ok(resp)) if !resp.status().is_server_error() || last_try => {
                 worker.routed.fetch_add(1, Ordering::Relaxed);
                 worker
                     .request_blocks
@@ -427,31 +401,97 @@ async fn forward(
                     .hit_blocks
                     .fetch_add(d.cache_hits as u64, Ordering::Relaxed);
                 server.set_down(&worker, false);
+                if resp.status().is_server_error() {
+                    server.worker_failed(&worker);
+                } else {
+                    server.worker_served(&worker);
+                }
                 guard.place = place.take();
                 return stream_back(resp, guard, worker);
             }
-            Err(e) if e.is_connect() => {
-                worker.upstream_errors.fetch_add(1, Ordering::Relaxed);
+            Ok(Ok(resp)) => error(
+                StatusCode::BAD_GATEWAY,
+                "BadGatewayError",
+                format!("worker {} answered {}", worker.spec.name, resp.status()),
+            ),
+            Ok(Err(e)) if e.is_connect() => {
                 tracing::warn!("worker {} refused the connection: {e}", worker.spec.name);
-                drop(guard);
                 server.set_down(&worker, true);
-            }
-            // Sent, perhaps in part: running it again elsewhere could run it twice.
-            Err(e) => {
-                worker.upstream_errors.fetch_add(1, Ordering::Relaxed);
-                return error(
+                error(
                     StatusCode::BAD_GATEWAY,
                     "BadGatewayError",
-                    format!("worker {} failed the request: {e}", worker.spec.name),
-                );
+                    format!("worker {} refused the connection: {e}", worker.spec.name),
+                )
+            }
+            Ok(Err(e)) => error(
+                StatusCode::BAD_GATEWAY,
+                "BadGatewayError",
+                format!("worker {} failed the request: {e}", worker.spec.name),
+            ),
+            Err(_) => error(
+                StatusCode::GATEWAY_TIMEOUT,
+                "GatewayTimeoutError",
+                format!(
+                    "worker {} did not answer within --upstream-timeout-s {}",
+                    worker.spec.name, server.cfg.upstream_timeout_s
+                ),
+            ),
+        };
+        // Nothing reached the client: the load is released and the next-best worker tries.
+        drop(guard);
+        server.worker_failed(&worker);
+        last_failure = Some(failure);
+    }
+    last_failure.unwrap_or_else(|| {
+        error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "ServiceUnavailableError",
+            "no worker is available",
+        )
+    })
+}
+
+/// The wait before retry `attempt` (1, 2, ...): `base_ms` doubled for each retry after the
+/// first, times a factor drawn between 0.5 and 1.5 so that retries do not march in step.
+fn backoff(base_ms: u64, attempt: usize) -> std::time::Duration {
+    let doubled = base_ms.saturating_mul(1 << attempt.saturating_sub(1).min(16));
+    // Jitter from the clock's nanoseconds: no generator to seed, and no two requests in step.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let factor = 0.5 + f64::from(nanos % 1_000) / 1_000.0;
+    std::time::Duration::from_secs_f64(doubled as f64 * factor / 1e3)
+}
+
+/// The request to send `worker`: the body, the client's credentials and request id, and the
+/// trace (this request's span with tracing on, else the caller's headers as they came).
+fn upstream_request(
+    worker: &Worker,
+    path: &str,
+    body: &Bytes,
+    headers: &header::HeaderMap,
+    span: &tracing::Span,
+) -> Result<hyper::Request<Full<Bytes>>, axum::http::Error> {
+    let mut req = hyper::Request::post(format!("{}{path}", worker.spec.url))
+        .header(header::CONTENT_TYPE, "application/json");
+    // vLLM names its request by the request id.
+    for name in [header::AUTHORIZATION, REQUEST_ID.clone()] {
+        if let Some(v) = headers.get(&name) {
+            req = req.header(name, v.clone());
+        }
+    }
+    let traced = kvserve::logging::trace_headers(span);
+    if traced.is_empty() {
+        for name in ["traceparent", "tracestate"] {
+            if let Some(v) = headers.get(name) {
+                req = req.header(name, v.clone());
             }
         }
     }
-    error(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "ServiceUnavailableError",
-        "no worker accepted the request",
-    )
+    for (name, v) in traced {
+        req = req.header(name, v);
+    }
+    req.body(Full::new(body.clone()))
 }
 
 /// The worker's response, streamed as it arrives; the request is finished when it ends.
@@ -521,6 +561,7 @@ const REVIVE_EVERY: std::time::Duration = std::time::Duration::from_millis(500);
 pub async fn revive(server: Arc<Server>) {
     loop {
         tokio::time::sleep(REVIVE_EVERY).await;
+        server.tick_breakers();
         for w in &server.workers() {
             if !w.down.load(Ordering::Relaxed) {
                 continue;
@@ -594,6 +635,7 @@ async fn workers(State(server): State<Arc<Server>>) -> Response {
                 "worker_id": w.spec.name,
                 "url": w.spec.url,
                 "state": if w.down.load(Ordering::Relaxed) { "down" } else { "up" },
+                "breaker": server.breaker_state(w).name(),
                 "block_count": m.router.cache_view(w.id),
                 "in_flight": m.router.in_flight(w.id),
                 "position": m.ingest.position(w.id),

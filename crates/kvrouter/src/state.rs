@@ -19,6 +19,7 @@ use kvserve::tokenize::{self, ChatTemplate, Codec};
 use serde_json::Value;
 use tokio::sync::mpsc::UnboundedSender;
 
+use crate::breaker::{Breaker, BreakerConfig};
 use crate::config::{Config, WorkerSpec};
 use crate::histogram::Histogram;
 use crate::ServerError;
@@ -54,6 +55,8 @@ pub struct Worker {
     pub hit_blocks: AtomicU64,
     /// Its NATS follower has read its events to the end of the stream once.
     pub caught_up: AtomicBool,
+    /// Its circuit breaker (`--breaker-failures`).
+    pub breaker: Mutex<Breaker>,
     /// Its ZMQ KV-event subscription is connected and subscribed (a readiness signal:
     /// `/v1/admin/workers` shows it).
     pub subscribed: AtomicBool,
@@ -86,6 +89,10 @@ pub struct Counters {
     pub queued: AtomicU64,
     /// Requests turned away with 429 after --queue-timeout-ms.
     pub rejected_busy: AtomicU64,
+    /// Tries on another worker after a failure before the first byte.
+    pub retries: AtomicU64,
+    /// Circuit breakers opened.
+    pub breaker_opened: AtomicU64,
     /// How long the start took to catch up with the event stream, milliseconds.
     pub catch_up_ms: AtomicU64,
     /// 1 when the start restored a snapshot.
@@ -362,6 +369,7 @@ impl Server {
             hit_blocks: AtomicU64::new(0),
             caught_up: AtomicBool::new(false),
             subscribed: AtomicBool::new(false),
+            breaker: Mutex::new(Breaker::new(self.breaker_config())),
             task: Mutex::new(None),
         });
         list.push(Arc::clone(&w));
@@ -389,13 +397,71 @@ impl Server {
         // Under the mirror's lock, so the flag and the router never disagree.
         let mut m = self.mirror();
         if w.down.swap(down, Ordering::Relaxed) != down {
-            m.router.set_routable(w.id, !down);
+            m.router.set_routable(w.id, self.routable(w));
             drop(m);
             tracing::info!(
                 "worker {} is {}",
                 w.spec.name,
                 if down { "down" } else { "up again" }
             );
+        }
+    }
+
+    /// Whether routing may choose `w`: it is not down and its breaker is not open.
+    pub fn routable(&self, w: &Worker) -> bool {
+        !w.down.load(Ordering::Relaxed) && !self.breaker(w).is_open()
+    }
+
+    /// Where `w`'s circuit breaker is.
+    pub fn breaker_state(&self, w: &Worker) -> crate::breaker::State {
+        self.breaker(w).state()
+    }
+
+    fn breaker<'a>(&self, w: &'a Worker) -> MutexGuard<'a, Breaker> {
+        w.breaker.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn breaker_config(&self) -> BreakerConfig {
+        BreakerConfig {
+            failures: self.cfg.breaker_failures,
+            window: Duration::from_secs_f64(self.cfg.breaker_window_s),
+            cooldown: Duration::from_secs_f64(self.cfg.breaker_cooldown_s),
+        }
+    }
+
+    /// `w` failed a request: its breaker counts it, and may open (the worker then leaves
+    /// routing until its cooldown ends).
+    pub fn worker_failed(&self, w: &Worker) {
+        w.upstream_errors.fetch_add(1, Ordering::Relaxed);
+        let mut m = self.mirror();
+        if self.breaker(w).failure(self.started.elapsed()) {
+            m.router.set_routable(w.id, false);
+            drop(m);
+            self.counters.breaker_opened.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                "worker {}: circuit breaker open for {} s after {} failures",
+                w.spec.name,
+                self.cfg.breaker_cooldown_s,
+                self.cfg.breaker_failures
+            );
+        }
+    }
+
+    /// `w` served a request: a half-open breaker closes.
+    pub fn worker_served(&self, w: &Worker) {
+        self.breaker(w).success();
+    }
+
+    /// Open breakers whose cooldown is over go half-open: their workers are routable again.
+    pub fn tick_breakers(&self) {
+        let now = self.started.elapsed();
+        for w in self.workers() {
+            let mut m = self.mirror();
+            if self.breaker(&w).tick(now) {
+                m.router.set_routable(w.id, self.routable(&w));
+                drop(m);
+                tracing::info!("worker {}: circuit breaker half-open", w.spec.name);
+            }
         }
     }
 
@@ -425,6 +491,8 @@ impl Server {
             ("kvrouter_load_deltas_applied_total", "Other replicas' load deltas applied (--router-replica-sync).", &c.deltas_applied),
             ("kvrouter_load_deltas_rejected_total", "Other replicas' load-delta messages that did not parse.", &c.deltas_rejected),
             ("kvrouter_snapshots_total", "Mirror snapshots stored (--kv-event-transport nats).", &c.snapshots),
+            ("kvrouter_retries_total", "Requests tried again on another worker after a failure before their first byte.", &c.retries),
+            ("kvrouter_breaker_opened_total", "Circuit breakers opened (--breaker-failures failures within --breaker-window-s).", &c.breaker_opened),
             ("kvrouter_rejected_busy_total", "Requests answered 429 after waiting --queue-timeout-ms for a place under --max-concurrency.", &c.rejected_busy),
         ] {
             counter(name, help, get(v));
@@ -496,8 +564,14 @@ impl Server {
                 "Requests routed to a worker and not finished, by worker.",
                 &|_: &Worker, k: usize| in_flight[k] as u64,
             ),
+            (
+                "kvrouter_breaker_state",
+                "gauge",
+                "A worker's circuit breaker: 0 closed, 1 open, 2 half-open.",
+                &|w: &Worker, _| u64::from(self.breaker(w).state().gauge()),
+            ),
         ]
-            as [(&str, &str, &str, &dyn Fn(&Worker, usize) -> u64); 5]
+            as [(&str, &str, &str, &dyn Fn(&Worker, usize) -> u64); 6]
         {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
             for (k, w) in workers.iter().enumerate() {

@@ -80,7 +80,10 @@ fn a_queued_request_runs_when_a_place_frees() {
         router.metric("kvrouter_queue_depth") == 1.0
     });
     // It is not routed while it waits.
-    assert_eq!(router.get_json("/v1/admin/workers")["workers"][0]["in_flight"], 1);
+    assert_eq!(
+        router.get_json("/v1/admin/workers")["workers"][0]["in_flight"],
+        1
+    );
     let (first, _) = long.join().unwrap();
     let (second, _) = queued.join().unwrap();
     assert!(first.starts_with("http/1.1 200") && second.starts_with("http/1.1 200"));

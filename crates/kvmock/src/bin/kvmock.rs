@@ -28,6 +28,14 @@ struct Cli {
     /// --spans` reads them as it reads vLLM's.
     #[arg(long, value_name = "URL")]
     otlp_traces_endpoint: Option<String>,
+    /// Fault injection: the share of completion requests answered 500 at once (0 to 1; which
+    /// ones is fixed by --seed), for testing what stands in front of the engine.
+    #[arg(long, default_value_t = 0.0, value_name = "P", value_parser = parse_share)]
+    fault_error_rate: f64,
+    /// Fault injection: every completion request waits this long before it is handled,
+    /// milliseconds (a stalled engine).
+    #[arg(long, default_value_t = 0, value_name = "MS")]
+    fault_stall_ms: u64,
     /// Address to listen on.
     #[arg(long, default_value = "0.0.0.0", value_name = "HOST")]
     host: String,
@@ -219,6 +227,10 @@ async fn serve(cli: Cli, s: Setup) -> Result<(), MockError> {
         template: s.template,
         engine_label: cli.data_parallel_rank.unwrap_or(0).to_string(),
         lora_modules: cli.lora_modules.clone(),
+        faults: kvmock::server::Faults {
+            error_rate: cli.fault_error_rate,
+            stall_ms: cli.fault_stall_ms,
+        },
     };
     let addr = format!("{}:{}", cli.host, cli.port);
     let listener = tokio::net::TcpListener::bind(&addr)
@@ -335,4 +347,12 @@ fn main() {
     }
     // The spans still queued go out before the process ends.
     drop(traces);
+}
+
+/// A share between 0 and 1.
+fn parse_share(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(p) if (0.0..=1.0).contains(&p) => Ok(p),
+        _ => Err(format!("expected a number from 0 to 1, got {s:?}")),
+    }
 }
