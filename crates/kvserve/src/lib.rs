@@ -48,3 +48,8 @@ pub mod openai;
 pub mod tokenize;
 
 pub use error::Error;
+
+// The README's example, compiled and run as a doc test so that it stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
