@@ -16,3 +16,14 @@ pub use kvcache;
 pub use kvroute;
 pub use kvroute_vllm;
 pub use kvsim;
+
+// The Rust snippets of the README and the book, compiled and run as doc tests
+// (`cargo test --doc -p kvkit`) so that what a newcomer copies builds; doctest-only items, so
+// they add nothing to the crate or its documentation.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeSnippets;
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/src/embedding.md")]
+pub struct BookEmbeddingSnippets;

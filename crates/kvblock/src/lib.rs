@@ -664,3 +664,8 @@ mod tests {
         assert_eq!(s.last(), Some(all[2]));
     }
 }
+
+// The README's example, compiled and run as a doc test so that it stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

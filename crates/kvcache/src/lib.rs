@@ -210,3 +210,8 @@ pub enum Error {
         worker: WorkerId,
     },
 }
+
+// The README's example, compiled and run as a doc test so that it stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

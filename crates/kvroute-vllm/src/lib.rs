@@ -190,3 +190,8 @@ pub use wire::{
     BlockRemoved, BlockStored, EngineEvent, EngineHash, EventBatch, KeyValue,
     SGLANG_CACHE_SALT_PREFIX,
 };
+
+// The README's example, compiled and run as a doc test so that it stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -311,3 +311,8 @@ pub enum Error {
     #[error(transparent)]
     Index(#[from] kvcache::Error),
 }
+
+// The README's example, compiled and run as a doc test so that it stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -32,8 +32,10 @@ pub struct Config {
     #[arg(long, value_name = "W")]
     pub kv_decode_overlap_weight: Option<f64>,
     /// The model's tokenizer: a tokenizer.json, or a directory with it and tokenizer_config.json
-    /// (the chat template). Without one, only requests with token ids can be routed.
-    #[arg(long, value_name = "PATH")]
+    /// (the chat template); or builtin:bytes, a demo tokenizer of one token per UTF-8 byte with a
+    /// ChatML template, what kvmock uses without --tokenizer. Without one, only requests with
+    /// token ids can be routed.
+    #[arg(long, value_name = "PATH|builtin:bytes")]
     pub router_tokenizer_path: Option<PathBuf>,
     /// Tokens per KV block: must equal the engines' --block-size.
     #[arg(long, default_value_t = 16, value_name = "TOKENS")]

@@ -123,7 +123,7 @@ impl IntoResponse for ApiError {
 }
 
 const NO_TOKENIZER: &str = "this router has no tokenizer (start it with \
---router-tokenizer-path): send the prompt as token ids";
+--router-tokenizer-path PATH, or builtin:bytes for a demo): send the prompt as token ids";
 
 fn encode(server: &Server, text: &str, special: bool) -> Result<Vec<u32>, String> {
     match &server.text {
@@ -195,7 +195,7 @@ async fn chat(
     body: Body413,
 ) -> Response {
     if server.text.is_none() {
-        return bad("this router has no tokenizer (start it with --router-tokenizer-path): chat requests need one");
+        return bad("this router has no tokenizer (start it with --router-tokenizer-path PATH, or builtin:bytes for a demo): chat requests need one");
     }
     let (body, req, keys) = match request_of(&server, Endpoint::Chat, body) {
         Ok(r) => r,

@@ -59,3 +59,8 @@ pub mod openai;
 pub mod tokenize;
 
 pub use error::Error;
+
+// The README's example, compiled and run as a doc test so that it stays true (it tokenises).
+#[cfg(all(doctest, feature = "tokenize"))]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -1,5 +1,11 @@
 //! Text in and out: a Hugging Face `tokenizer.json` (or, without one, one token per UTF-8 byte)
 //! and the model's chat template from `tokenizer_config.json`, rendered with minijinja.
+//!
+//! [`load`] also takes the name of a built-in tokenizer where a path is expected:
+//! [`BUILTIN_BYTES`] (`builtin:bytes`) is one token per UTF-8 byte with the ChatML template
+//! [`DEFAULT_CHAT_TEMPLATE`], which is what `kvmock` uses without a tokenizer, so a router and
+//! engines can exchange text prompts and chats with no model files at all (a demo, not a model's
+//! tokenizer).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -299,9 +305,40 @@ pub fn chat_text_before(
     Some(text[..at].to_string())
 }
 
+/// The built-in demo tokenizer's name: one token per UTF-8 byte (ids 0 to 255) and the ChatML
+/// template ([`DEFAULT_CHAT_TEMPLATE`]), exactly what `kvmock` does when given no tokenizer.
+pub const BUILTIN_BYTES: &str = "builtin:bytes";
+
+/// The prefix that names a built-in tokenizer instead of a file.
+const BUILTIN_PREFIX: &str = "builtin:";
+
+/// A built-in tokenizer by its full name (`builtin:bytes`); an unknown name is an error naming
+/// it and the names there are.
+///
+/// ```
+/// use kvserve::tokenize::builtin;
+/// let (codec, template) = builtin("builtin:bytes")?;
+/// assert_eq!(codec.encode("hi", true).unwrap(), [104, 105]);
+/// assert!(builtin("builtin:xyz").unwrap_err().to_string().contains("expected builtin:bytes"));
+/// # Ok::<(), kvserve::Error>(())
+/// ```
+pub fn builtin(name: &str) -> Result<(Codec, ChatTemplate), Error> {
+    match name {
+        BUILTIN_BYTES => Ok((Codec::Bytes, ChatTemplate::default())),
+        _ => Err(Error::Tokenizer {
+            path: name.to_string(),
+            message: format!("unknown built-in tokenizer, expected {BUILTIN_BYTES}"),
+        }),
+    }
+}
+
 /// Loads `--tokenizer PATH`: a `tokenizer.json`, or a directory with it and (optionally)
-/// `tokenizer_config.json` holding `chat_template`, `bos_token`, `eos_token`.
+/// `tokenizer_config.json` holding `chat_template`, `bos_token`, `eos_token`; or a built-in
+/// tokenizer's name (see [`builtin`]), which no file of that name can shadow.
 pub fn load(path: &Path) -> Result<(Codec, ChatTemplate), Error> {
+    if let Some(name) = path.to_str().filter(|p| p.starts_with(BUILTIN_PREFIX)) {
+        return builtin(name);
+    }
     let err = |message: String| Error::Tokenizer {
         path: path.display().to_string(),
         message,
@@ -459,6 +496,41 @@ mod tests {
         )
         .unwrap();
         assert_eq!(chat_text_before(&upper, msgs, 1), None);
+    }
+
+    #[test]
+    fn builtin_bytes_is_bytes_and_chatml() {
+        let (codec, template) = load(Path::new("builtin:bytes")).unwrap();
+        assert!(matches!(codec, Codec::Bytes));
+        // UTF-8 bytes, not chars: "é" is two tokens; no BOS even when asked for specials.
+        assert_eq!(codec.encode("aé", true).unwrap(), vec![97, 0xc3, 0xa9]);
+        assert_eq!(codec.vocab_limit(), None);
+        let msgs = serde_json::json!([
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hi"}
+        ]);
+        assert_eq!(
+            template.render(&msgs).unwrap(),
+            "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n\
+             <|im_start|>assistant\n"
+        );
+        // The same template kvmock uses without a tokenizer: the two render alike.
+        assert_eq!(
+            template.render(&msgs).unwrap(),
+            ChatTemplate::default().render(&msgs).unwrap()
+        );
+    }
+
+    #[test]
+    fn an_unknown_builtin_names_the_value_and_the_choices() {
+        let e = load(Path::new("builtin:xyz")).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "tokenizer builtin:xyz: unknown built-in tokenizer, expected builtin:bytes"
+        );
+        // Not a path either: no file lookup happens for the prefix.
+        assert!(builtin("builtin:").is_err());
+        assert!(builtin("bytes").is_err());
     }
 
     #[test]

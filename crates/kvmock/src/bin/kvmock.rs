@@ -71,8 +71,9 @@ struct Cli {
     #[arg(long, default_value = "map", value_name = "SHAPE")]
     kv_events_shape: WireShape,
     /// A Hugging Face tokenizer.json, or a directory with it and tokenizer_config.json (chat
-    /// template) [default: one token per UTF-8 byte and a ChatML template].
-    #[arg(long, value_name = "PATH")]
+    /// template), or builtin:bytes [default: builtin:bytes, one token per UTF-8 byte and a
+    /// ChatML template].
+    #[arg(long, value_name = "PATH|builtin:bytes")]
     tokenizer: Option<PathBuf>,
     /// Emulated time runs X times faster than the wall clock.
     #[arg(long, default_value_t = 1.0, value_name = "X")]
