@@ -106,6 +106,15 @@ fn completions_chat_models_health_and_metrics() {
 
     let (s, text) = m.get("/metrics");
     assert_eq!(s, 200);
+    // Each family is declared once (Prometheus's format allows no second TYPE line).
+    let mut families: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .collect();
+    let declared = families.len();
+    families.sort();
+    families.dedup();
+    assert_eq!(families.len(), declared, "{text}");
     for name in [
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",

@@ -3,40 +3,35 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::time::Duration;
 
 use common::{eventually, Engine, Kvrouter};
-use kvtest::net::free_port;
+use kvtest::net::{free_port, request};
 use serde_json::Value;
 
 /// POSTs a completion; the response's lower-cased head and its body.
 fn post(port: u16, body: &str) -> (String, String) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    write!(
-        s,
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).unwrap();
-    let (head, rest) = raw.split_once("\r\n\r\n").unwrap();
-    (head.to_ascii_lowercase(), rest.to_string())
+    let r = request(port, "POST", "/v1/completions", "", body);
+    (r.head, r.body)
 }
 
 /// A request that runs for a while (at --speedup 1).
 const LONG: &str = r#"{"prompt": [1, 2, 3, 4], "max_tokens": 400, "ignore_eos": true}"#;
 const SHORT: &str = r#"{"prompt": [5, 6, 7, 8], "max_tokens": 2}"#;
 
-#[test]
-fn past_max_concurrency_requests_queue_then_get_429_with_retry_after() {
+/// An engine at wall-clock speed and a router with one place and `queue_timeout_ms`, with a
+/// long request holding the place: the engine, the router and the long request's thread.
+fn one_place_taken(
+    queue_timeout_ms: &str,
+) -> (Engine, Kvrouter, std::thread::JoinHandle<(String, String)>) {
     let engine = Engine::start_with(free_port(), free_port(), free_port(), &["--speedup", "1"]);
-    let strict = ["--max-concurrency", "1", "--queue-timeout-ms", "200"];
-    let router = Kvrouter::start(&[&engine], &strict);
+    let flags = [
+        "--max-concurrency",
+        "1",
+        "--queue-timeout-ms",
+        queue_timeout_ms,
+    ];
+    let router = Kvrouter::start(&[&engine], &flags);
     let port = router.port;
     let long = std::thread::spawn(move || post(port, LONG));
     eventually(
@@ -44,6 +39,13 @@ fn past_max_concurrency_requests_queue_then_get_429_with_retry_after() {
         Duration::from_secs(10),
         || router.get_json("/v1/admin/workers")["workers"][0]["in_flight"] == 1,
     );
+    (engine, router, long)
+}
+
+#[test]
+fn past_max_concurrency_requests_queue_then_get_429_with_retry_after() {
+    let (engine, router, long) = one_place_taken("200");
+    let port = router.port;
     let (head, body) = post(port, SHORT);
     assert!(head.starts_with("http/1.1 429"), "{head}\n{body}");
     assert!(head.contains("\r\nretry-after: 1"), "{head}");
@@ -65,16 +67,8 @@ fn past_max_concurrency_requests_queue_then_get_429_with_retry_after() {
 
 #[test]
 fn a_queued_request_runs_when_a_place_frees() {
-    let engine = Engine::start_with(free_port(), free_port(), free_port(), &["--speedup", "1"]);
-    let patient = ["--max-concurrency", "1", "--queue-timeout-ms", "60000"];
-    let router = Kvrouter::start(&[&engine], &patient);
+    let (_engine, router, long) = one_place_taken("60000");
     let port = router.port;
-    let long = std::thread::spawn(move || post(port, LONG));
-    eventually(
-        "the long request holds the one place",
-        Duration::from_secs(10),
-        || router.get_json("/v1/admin/workers")["workers"][0]["in_flight"] == 1,
-    );
     let queued = std::thread::spawn(move || post(port, SHORT));
     eventually("the second request waits", Duration::from_secs(10), || {
         router.metric("kvrouter_queue_depth") == 1.0

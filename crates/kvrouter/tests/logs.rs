@@ -3,32 +3,19 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::{eventually, wait_healthy, Engine, Proc};
-use kvtest::net::free_port;
+use kvtest::net::{free_port, request};
 use serde_json::Value;
 
-/// POSTs a completion with extra header lines; the response's head.
+/// POSTs a completion with extra header lines; the response's lower-cased head.
 fn post_with(port: u16, extra_headers: &str) -> String {
     let body = r#"{"prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], "max_tokens": 2}"#;
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    write!(
-        s,
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{extra_headers}\
-         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).unwrap();
-    let (head, _) = raw.split_once("\r\n\r\n").unwrap();
-    assert!(head.starts_with("HTTP/1.1 200"), "{raw}");
-    head.to_ascii_lowercase()
+    let r = request(port, "POST", "/v1/completions", extra_headers, body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    r.head
 }
 
 fn lines(log: &std::path::Path) -> Vec<Value> {
@@ -48,22 +35,33 @@ fn routed_ids(log: &std::path::Path) -> Vec<String> {
         .collect()
 }
 
-#[test]
-fn json_lines_carry_the_request_id_and_rust_log_filters_them() {
-    let engine = Engine::start();
-    let dir = tempfile::tempdir().unwrap();
+/// A router in front of `engine` logging JSON at `kvrouter::proxy=debug,warn` into a file, with
+/// `extra` flags: its guard, port, and the log's path (in `dir`).
+fn logged_router(
+    engine: &Engine,
+    dir: &tempfile::TempDir,
+    extra: &[&str],
+) -> (Proc, u16, std::path::PathBuf) {
     let log = dir.path().join("kvrouter.log");
     let port = free_port();
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvrouter"))
         .args(["--host", "127.0.0.1", "--port", &port.to_string()])
         .args(["--worker", &engine.spec(), "--log-format", "json"])
+        .args(extra)
         .env("RUST_LOG", "kvrouter::proxy=debug,warn")
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
         .unwrap();
     wait_healthy(port, &mut child, "kvrouter");
-    let _router = Proc(child);
+    (Proc(child), port, log)
+}
+
+#[test]
+fn json_lines_carry_the_request_id_and_rust_log_filters_them() {
+    let engine = Engine::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (_router, port, log) = logged_router(&engine, &dir, &[]);
 
     // The client's id: sent back, and on the decision's line.
     let head = post_with(port, "x-request-id: req-42\r\n");
@@ -111,19 +109,8 @@ fn with_tracing_on_a_requests_lines_name_its_trace() {
     let collector = kvtest::net::OtlpReceiver::start();
     let engine = Engine::start();
     let dir = tempfile::tempdir().unwrap();
-    let log = dir.path().join("kvrouter.log");
-    let port = free_port();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvrouter"))
-        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-        .args(["--worker", &engine.spec(), "--log-format", "json"])
-        .args(["--otlp-traces-endpoint", &collector.endpoint()])
-        .env("RUST_LOG", "kvrouter::proxy=debug,warn")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    wait_healthy(port, &mut child, "kvrouter");
-    let _router = Proc(child);
+    let endpoint = collector.endpoint();
+    let (_router, port, log) = logged_router(&engine, &dir, &["--otlp-traces-endpoint", &endpoint]);
     let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
     post_with(
         port,

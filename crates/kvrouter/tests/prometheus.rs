@@ -42,6 +42,18 @@ fn query(port: u16, promql: &str) -> Result<Vec<Value>, String> {
 /// (a histogram's `_count`).
 fn families(port: u16) -> Vec<String> {
     let (_, text) = http(port, "GET", "/metrics", None);
+    let declared: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .collect();
+    let mut once = declared.clone();
+    once.sort();
+    once.dedup();
+    assert_eq!(
+        once.len(),
+        declared.len(),
+        "a family declared twice:\n{text}"
+    );
     text.lines()
         .filter_map(|l| l.strip_prefix("# TYPE "))
         .map(|l| {

@@ -3,28 +3,15 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::time::Duration;
 
 use common::{eventually, Engine, Kvrouter};
-use kvtest::net::free_port;
+use kvtest::net::{free_port, request};
 
 /// POSTs a completion; the response's lower-cased head and its body.
 fn post(port: u16, body: &str) -> (String, String) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    write!(
-        s,
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).unwrap();
-    let (head, rest) = raw.split_once("\r\n\r\n").unwrap();
-    (head.to_ascii_lowercase(), rest.to_string())
+    let r = request(port, "POST", "/v1/completions", "", body);
+    (r.head, r.body)
 }
 
 fn served_by(head: &str) -> &str {

@@ -4,12 +4,10 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::time::Duration;
 
 use common::{eventually, Engine, Kvrouter};
-use kvtest::net::{free_port, OtlpReceiver};
+use kvtest::net::{free_port, request, OtlpReceiver};
 use serde_json::Value;
 
 const TRACE: &str = "0af7651916cd43dd8448eb211c80319c";
@@ -44,19 +42,9 @@ fn a_request_is_one_trace_from_the_caller_through_the_router_to_the_engine() {
     let router = Kvrouter::start(&[&engine], &["--otlp-traces-endpoint", &endpoint]);
 
     let body = r#"{"prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], "max_tokens": 3}"#;
-    let mut s = TcpStream::connect(("127.0.0.1", router.port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    write!(
-        s,
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
-         traceparent: 00-{TRACE}-{CALLER}-01\r\nx-request-id: traced-1\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).unwrap();
-    assert!(raw.starts_with("HTTP/1.1 200"), "{raw}");
+    let headers = format!("traceparent: 00-{TRACE}-{CALLER}-01\r\nx-request-id: traced-1\r\n");
+    let r = request(router.port, "POST", "/v1/completions", &headers, body);
+    assert_eq!(r.status, 200, "{}", r.body);
 
     eventually(
         "the router's and the engine's spans arrive",

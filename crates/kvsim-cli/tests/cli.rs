@@ -1,4 +1,5 @@
-//! The `kvsim` command: exit codes, one-line errors, byte-identical output.
+//! The `kvsim` command: exit codes, one-line errors, byte-identical output; and the command as
+//! a library (`kvsim_cli::run`) printing the same.
 
 use std::process::Command;
 
@@ -658,4 +659,81 @@ fn a_host_tier_of_zero_blocks_is_no_host_tier() {
         some.extend(["--host-kv-blocks", "100"]);
         assert_ne!(kvsim(&some).1, without, "{format}: a real tier shows");
     }
+}
+
+/// `kvsim_cli::run`, the command as a library.
+fn library(args: &[&str]) -> Result<String, kvsim_cli::Error> {
+    kvsim_cli::run(std::iter::once("kvsim").chain(args.iter().copied()))
+}
+
+// `kvsim_cli::run` returns exactly what the binary prints, and its errors are the binary's
+// one-line messages.
+
+#[test]
+fn library_output_is_the_command_output_byte_for_byte() {
+    fn with(extra: &[&'static str]) -> Vec<&'static str> {
+        DOC.iter().chain(extra).copied().collect()
+    }
+    for args in [
+        with(&[]),
+        with(&["--format", "json"]),
+        with(&["-v"]),
+        [
+            &["sweep", "--param", "des-overlap-weight=0,1", "--jobs", "1"][..],
+            DOC,
+        ]
+        .concat(),
+        [
+            &[
+                "sweep",
+                "--param",
+                "des-overlap-weight=0,1",
+                "--format",
+                "json",
+            ][..],
+            DOC,
+        ]
+        .concat(),
+        [
+            &[
+                "capacity",
+                "--slo-ttft-ms",
+                "2000",
+                "--runs",
+                "2",
+                "--format",
+                "json",
+            ][..],
+            DOC,
+        ]
+        .concat(),
+    ] {
+        let (code, out, err) = kvsim(&args);
+        assert_eq!(code, 0, "{args:?}: {err}");
+        assert_eq!(library(&args).expect("runs"), out, "{args:?}");
+    }
+}
+
+#[test]
+fn library_errors_are_the_command_messages() {
+    for args in [
+        &["--des-instances", "0"][..],
+        &["--no-such-flag"],
+        &["sweep", "--param", "bad"],
+        &["capacity", "--des-num-requests", "20"],
+    ] {
+        let (code, out, err) = kvsim(args);
+        assert_eq!((code, out.as_str()), (2, ""), "{args:?}");
+        match library(args) {
+            Err(e @ kvsim_cli::Error::Usage(_)) => {
+                assert_eq!(format!("kvsim: {e}\n"), err, "{args:?}")
+            }
+            other => panic!("{args:?}: {other:?}"),
+        }
+    }
+    let help = library(&["--help"]);
+    assert!(
+        matches!(&help, Err(kvsim_cli::Error::Help(h)) if h.to_string().contains("Usage: kvsim")),
+        "{help:?}"
+    );
 }

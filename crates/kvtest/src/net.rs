@@ -35,15 +35,53 @@ pub fn try_http(
     path: &str,
     body: Option<&str>,
 ) -> std::io::Result<(u16, String)> {
+    try_request(port, method, path, "", body.unwrap_or("")).map(|r| (r.status, r.body))
+}
+
+/// An HTTP answer: its status, its head (status line and headers, lower-cased) and its body
+/// (de-chunked).
+#[derive(Debug, Clone)]
+pub struct Reply {
+    /// The status code.
+    pub status: u16,
+    /// The status line and headers, lower-cased, `\r\n` between lines.
+    pub head: String,
+    /// The body as text.
+    pub body: String,
+}
+
+impl Reply {
+    /// A header's value (`name` lower-case), if the answer has it.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.head.lines().find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            (k == name).then(|| v.trim())
+        })
+    }
+}
+
+/// A blocking HTTP/1.1 request with extra header lines (`"name: value\r\n"` each) and a JSON
+/// body; panics on a transport error. 60 s timeout.
+pub fn request(port: u16, method: &str, path: &str, headers: &str, body: &str) -> Reply {
+    try_request(port, method, path, headers, body)
+        .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+}
+
+fn try_request(
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &str,
+    body: &str,
+) -> std::io::Result<Reply> {
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
-    s.set_read_timeout(Some(Duration::from_secs(20)))?;
+    s.set_read_timeout(Some(Duration::from_secs(60)))?;
     s.set_write_timeout(Some(Duration::from_secs(20)))?;
-    let body = body.unwrap_or("");
     write!(
         s,
         "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+         {headers}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     )?;
     let mut raw = Vec::new();
@@ -57,15 +95,13 @@ pub fn try_http(
         .nth(1)
         .and_then(|s| s.parse().ok())
         .ok_or_else(|| std::io::Error::other("no status"))?;
-    let chunked = head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked");
-    let body = if chunked {
+    let head = head.to_ascii_lowercase();
+    let body = if head.contains("transfer-encoding: chunked") {
         dechunk(rest)
     } else {
         rest.to_string()
     };
-    Ok((status, body))
+    Ok(Reply { status, head, body })
 }
 
 fn dechunk(mut s: &str) -> String {
