@@ -16,7 +16,7 @@ fn post(port: u16, body: &str) -> (String, String) {
 }
 
 /// A request that runs for a while (at --speedup 1).
-const LONG: &str = r#"{"prompt": [1, 2, 3, 4], "max_tokens": 400, "ignore_eos": true}"#;
+const LONG: &str = r#"{"prompt": [1, 2, 3, 4], "max_tokens": 200, "ignore_eos": true}"#;
 const SHORT: &str = r#"{"prompt": [5, 6, 7, 8], "max_tokens": 2}"#;
 
 /// An engine at wall-clock speed and a router with one place and `queue_timeout_ms`, with a
