@@ -122,6 +122,16 @@ pub struct Config {
     /// How long an open breaker keeps its worker out of routing, seconds.
     #[arg(long, default_value_t = 5.0, value_name = "SECONDS", value_parser = parse_timeout)]
     pub breaker_cooldown_s: f64,
+    /// A worker that publishes KV events but served requests for this long without one is
+    /// flagged silent (`silent` in /v1/admin/workers, kvrouter_silent_feeds_total, one warning):
+    /// its publisher may be broken, and its mirror stale. 0: never. A worker whose requests all
+    /// hit fully cached prompts with short answers stores nothing new and may be flagged too.
+    #[arg(long, default_value_t = 60.0, value_name = "SECONDS")]
+    pub event_silence_s: f64,
+    /// What routing does with a silent worker: keep (score it on its mirror as before) or
+    /// load-only (forget its mirror, so it is scored by load alone, until its events rebuild it).
+    #[arg(long, default_value = "keep", value_name = "keep|load-only")]
+    pub on_silent_feed: OnSilentFeed,
     /// kv-aware policy: seed (W x missed blocks + active blocks) or prefill-aware (W x
     /// (pending prefill + missed blocks) + decode blocks; a streamed request decodes from its
     /// first chunk on, a plain one counts as prefilling until it finishes).
@@ -283,6 +293,28 @@ fn parse_timeout(s: &str) -> Result<f64, String> {
         _ => Err(format!(
             "expected a number of seconds above 0 and at most 1e6, got {s:?}"
         )),
+    }
+}
+
+/// `--on-silent-feed`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OnSilentFeed {
+    /// Score it on its mirror as before.
+    #[default]
+    Keep,
+    /// Forget its mirror: it is scored by load alone until its events rebuild it.
+    LoadOnly,
+}
+
+impl FromStr for OnSilentFeed {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "keep" => Ok(OnSilentFeed::Keep),
+            "load-only" => Ok(OnSilentFeed::LoadOnly),
+            _ => Err(format!("expected keep or load-only, got {s:?}")),
+        }
     }
 }
 

@@ -138,6 +138,7 @@ fn count(server: &Server, worker: &Worker, r: &Result<IngestSummary, VllmError>)
     match r {
         Ok(s) => {
             c.batches_applied.fetch_add(1, Ordering::Relaxed);
+            server.heard_from(worker);
             if s.published_us > 0 {
                 let now_us = std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)

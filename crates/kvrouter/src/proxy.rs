@@ -394,6 +394,7 @@ async fn forward(
         let failure = match sent {
             Ok(Ok(resp)) if !resp.status().is_server_error() || last_try => {
                 worker.routed.fetch_add(1, Ordering::Relaxed);
+                server.routed_to(&worker);
                 worker
                     .request_blocks
                     .fetch_add(d.request_blocks as u64, Ordering::Relaxed);
@@ -562,6 +563,7 @@ pub async fn revive(server: Arc<Server>) {
     loop {
         tokio::time::sleep(REVIVE_EVERY).await;
         server.tick_breakers();
+        server.check_silence();
         for w in &server.workers() {
             if !w.down.load(Ordering::Relaxed) {
                 continue;
@@ -641,6 +643,8 @@ async fn workers(State(server): State<Arc<Server>>) -> Response {
                 "position": m.ingest.position(w.id),
                 "active_blocks": m.router.active_blocks(w.id),
                 "stale": m.router.index().is_stale(w.id),
+                // Served requests for --event-silence-s without a KV event.
+                "silent": w.silent.load(Ordering::Relaxed),
                 // Whether its ZMQ KV-event subscription is up (null: it publishes none, or
                 // its events come through NATS).
                 "subscribed": (w.spec.events.is_some()

@@ -57,6 +57,11 @@ pub struct Worker {
     pub caught_up: AtomicBool,
     /// Its circuit breaker (`--breaker-failures`).
     pub breaker: Mutex<Breaker>,
+    /// When (milliseconds since the server started, plus one; 0: none) the first request was
+    /// routed to it after its last KV-event batch.
+    pub unconfirmed_since_ms: AtomicU64,
+    /// Flagged silent: it served requests for `--event-silence-s` without an event.
+    pub silent: AtomicBool,
     /// Its ZMQ KV-event subscription is connected and subscribed (a readiness signal:
     /// `/v1/admin/workers` shows it).
     pub subscribed: AtomicBool,
@@ -91,6 +96,8 @@ pub struct Counters {
     pub rejected_busy: AtomicU64,
     /// Tries on another worker after a failure before the first byte.
     pub retries: AtomicU64,
+    /// Workers flagged silent (`--event-silence-s`).
+    pub silent_feeds: AtomicU64,
     /// Circuit breakers opened.
     pub breaker_opened: AtomicU64,
     /// How long the start took to catch up with the event stream, milliseconds.
@@ -370,6 +377,8 @@ impl Server {
             caught_up: AtomicBool::new(false),
             subscribed: AtomicBool::new(false),
             breaker: Mutex::new(Breaker::new(self.breaker_config())),
+            unconfirmed_since_ms: AtomicU64::new(0),
+            silent: AtomicBool::new(false),
             task: Mutex::new(None),
         });
         list.push(Arc::clone(&w));
@@ -465,6 +474,63 @@ impl Server {
         }
     }
 
+    fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    /// A request was routed to `w`: if nothing has been waiting for its events, this one is.
+    pub fn routed_to(&self, w: &Worker) {
+        if w.spec.events.is_some()
+            || self.cfg.kv_event_transport != crate::config::EventTransport::Zmq
+        {
+            let _ = w.unconfirmed_since_ms.compare_exchange(
+                0,
+                self.now_ms() + 1,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+        }
+    }
+
+    /// `w` published a KV-event batch: nothing waits for its events, and it is not silent.
+    pub fn heard_from(&self, w: &Worker) {
+        w.unconfirmed_since_ms.store(0, Ordering::Relaxed);
+        if w.silent.swap(false, Ordering::Relaxed) {
+            tracing::info!("worker {}: KV events again", w.spec.name);
+        }
+    }
+
+    /// Flags the workers that served requests for `--event-silence-s` without an event (once
+    /// each until they publish again); with `--on-silent-feed load-only`, forgets their mirror.
+    pub fn check_silence(&self) {
+        if self.cfg.event_silence_s <= 0.0 {
+            return;
+        }
+        let limit_ms = (self.cfg.event_silence_s * 1e3) as u64;
+        let now = self.now_ms() + 1;
+        for w in self.workers() {
+            let since = w.unconfirmed_since_ms.load(Ordering::Relaxed);
+            if since == 0
+                || now.saturating_sub(since) < limit_ms
+                || w.silent.swap(true, Ordering::Relaxed)
+            {
+                continue;
+            }
+            self.counters.silent_feeds.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                "worker {}: no KV event for {} s while serving requests: its publisher may be broken",
+                w.spec.name,
+                self.cfg.event_silence_s
+            );
+            if self.cfg.on_silent_feed == crate::config::OnSilentFeed::LoadOnly {
+                // As after a publisher restart: the mirror starts afresh from the events to come.
+                let mut m = self.mirror();
+                m.router.clear_worker(w.id);
+                m.ingest.forget_worker(w.id);
+            }
+        }
+    }
+
     /// Records one route decision's latency.
     pub fn observe_route(&self, us: u64) {
         self.route_latency.observe(us);
@@ -491,6 +557,7 @@ impl Server {
             ("kvrouter_load_deltas_applied_total", "Other replicas' load deltas applied (--router-replica-sync).", &c.deltas_applied),
             ("kvrouter_load_deltas_rejected_total", "Other replicas' load-delta messages that did not parse.", &c.deltas_rejected),
             ("kvrouter_snapshots_total", "Mirror snapshots stored (--kv-event-transport nats).", &c.snapshots),
+            ("kvrouter_silent_feeds_total", "Workers flagged silent: they served requests for --event-silence-s without a KV event.", &c.silent_feeds),
             ("kvrouter_retries_total", "Requests tried again on another worker after a failure before their first byte.", &c.retries),
             ("kvrouter_breaker_opened_total", "Circuit breakers opened (--breaker-failures failures within --breaker-window-s).", &c.breaker_opened),
             ("kvrouter_rejected_busy_total", "Requests answered 429 after waiting --queue-timeout-ms for a place under --max-concurrency.", &c.rejected_busy),
