@@ -41,9 +41,11 @@ fn a_worker_whose_events_stop_is_flagged_and_load_only_forgets_its_mirror() {
     let router = Kvrouter::start(&[&engine], &flags);
     let (status, _) = router.post("/v1/completions", &prompt(0));
     assert_eq!(status, 200);
-    eventually("the worker's blocks are mirrored", Duration::from_secs(10), || {
-        worker(&router)["block_count"].as_u64() > Some(0)
-    });
+    eventually(
+        "the worker's blocks are mirrored",
+        Duration::from_secs(10),
+        || worker(&router)["block_count"].as_u64() > Some(0),
+    );
     // The same engine again on its port, its KV-event publisher gone.
     let _ = engine.proc.0.kill();
     let _ = engine.proc.0.wait();
@@ -62,9 +64,11 @@ fn a_worker_whose_events_stop_is_flagged_and_load_only_forgets_its_mirror() {
         i += 1;
         router.post("/v1/completions", &prompt(i)).0 == 200
     });
-    eventually("the worker is flagged silent", Duration::from_secs(10), || {
-        worker(&router)["silent"] == true
-    });
+    eventually(
+        "the worker is flagged silent",
+        Duration::from_secs(10),
+        || worker(&router)["silent"] == true,
+    );
     assert_eq!(router.metric("kvrouter_silent_feeds_total"), 1.0);
     // load-only: its mirror is forgotten, so it is scored by load alone.
     assert_eq!(worker(&router)["block_count"], 0);
