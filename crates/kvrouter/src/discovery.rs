@@ -68,8 +68,9 @@ pub async fn watch_etcd(server: Arc<Server>, endpoint: String) {
                     .collect();
                 for k in gone {
                     if let Some((_, name)) = known.remove(&k) {
-                        server.remove_worker(&name);
-                        tracing::info!("worker {name} left ({k})");
+                        // Its in-flight requests finish; it leaves once they have.
+                        server.set_draining(&name, true);
+                        tracing::info!("worker {name} left ({k}): draining");
                     }
                 }
                 refused.retain(|k, v| now.get(k) == Some(v));
@@ -77,7 +78,24 @@ pub async fn watch_etcd(server: Arc<Server>, endpoint: String) {
                     if known.contains_key(k) || refused.contains_key(k) {
                         continue;
                     }
-                    let added = spec_of(&server, k, v).and_then(|spec| server.add_worker(spec));
+                    let spec = match spec_of(&server, k, v) {
+                        Ok(spec) => spec,
+                        Err(e) => {
+                            tracing::warn!("etcd discovery: {e}");
+                            refused.insert(k.clone(), v.clone());
+                            continue;
+                        }
+                    };
+                    // Back before its drain ended: it stays, and is no longer draining.
+                    if server
+                        .worker_named(&spec.name)
+                        .is_some_and(|w| w.draining.load(std::sync::atomic::Ordering::Relaxed))
+                    {
+                        server.set_draining(&spec.name, false);
+                        known.insert(k.clone(), (v.clone(), spec.name.clone()));
+                        continue;
+                    }
+                    let added = server.add_worker(spec);
                     match added {
                         Ok(w) => {
                             tracing::info!("worker {} joined ({k})", w.spec.name);

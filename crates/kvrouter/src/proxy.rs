@@ -31,7 +31,12 @@ pub fn app(server: Arc<Server>) -> axum::Router {
         .route("/health", get(|| async { "ok" }))
         .route("/metrics", get(metrics))
         .route("/v1/admin/cache-view/{worker}", get(cache_view))
-        .route("/v1/admin/workers", get(workers))
+        .route("/v1/admin/workers", get(workers).post(add_worker))
+        .route(
+            "/v1/admin/workers/{worker}",
+            axum::routing::delete(remove_worker),
+        )
+        .route("/v1/admin/workers/{worker}/drain", post(drain_worker))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
@@ -563,6 +568,7 @@ pub async fn revive(server: Arc<Server>) {
     loop {
         tokio::time::sleep(REVIVE_EVERY).await;
         server.tick_breakers();
+        server.finish_drains();
         server.check_silence();
         for w in &server.workers() {
             if !w.down.load(Ordering::Relaxed) {
@@ -626,6 +632,81 @@ async fn cache_view(State(server): State<Arc<Server>>, Path(name): Path<String>)
     }
 }
 
+/// `POST /v1/admin/workers` with `{"url": ..., "events": ..., "replay": ...}` (the last two
+/// optional, as `--worker`'s): adds the worker and follows its KV events. 201, or 409 when a
+/// worker of that name is there, or 400.
+async fn add_worker(State(server): State<Arc<Server>>, body: Bytes) -> Response {
+    let v: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return bad(format!("the body is not JSON: {e}")),
+    };
+    let field = |k: &str| v.get(k).and_then(Value::as_str);
+    let Some(url) = field("url") else {
+        return bad(
+            r#"expected {"url": "http://HOST:PORT", "events": "tcp://HOST:PORT", "replay": "tcp://HOST:PORT"} (events and replay optional)"#,
+        );
+    };
+    let mut spec = url.to_string();
+    for k in ["events", "replay"] {
+        if let Some(ep) = field(k) {
+            spec.push_str(&format!(",{k}={ep}"));
+        }
+    }
+    let spec: crate::config::WorkerSpec = match spec.parse() {
+        Ok(s) => s,
+        Err(e) => return bad(e),
+    };
+    if server.worker_named(&spec.name).is_some() {
+        return error(
+            StatusCode::CONFLICT,
+            "ConflictError",
+            format!("worker {} is there already", spec.name),
+        );
+    }
+    match server.add_worker(spec) {
+        Ok(w) => {
+            crate::discovery::follow_events(&server, &w);
+            tracing::info!("worker {} added", w.spec.name);
+            (
+                StatusCode::CREATED,
+                axum::Json(json!({"worker_id": w.spec.name, "url": w.spec.url})),
+            )
+                .into_response()
+        }
+        Err(e) => error(StatusCode::CONFLICT, "ConflictError", e),
+    }
+}
+
+/// `DELETE /v1/admin/workers/{host:port}`: removes the worker at once (its streams in progress
+/// go on; their load is forgotten with it). 404 when there is none.
+async fn remove_worker(State(server): State<Arc<Server>>, Path(name): Path<String>) -> Response {
+    match server.remove_worker(&name) {
+        Some(w) => {
+            tracing::info!("worker {} removed", w.spec.name);
+            axum::Json(json!({"removed": w.spec.name})).into_response()
+        }
+        None => no_worker(&name),
+    }
+}
+
+/// `POST /v1/admin/workers/{host:port}/drain`: the worker gets no new requests and is removed
+/// once its in-flight ones have finished. 202, or 404.
+async fn drain_worker(State(server): State<Arc<Server>>, Path(name): Path<String>) -> Response {
+    if server.set_draining(&name, true) {
+        (StatusCode::ACCEPTED, axum::Json(json!({"draining": name}))).into_response()
+    } else {
+        no_worker(&name)
+    }
+}
+
+fn no_worker(name: &str) -> Response {
+    error(
+        StatusCode::NOT_FOUND,
+        "NotFoundError",
+        format!("no worker {name}"),
+    )
+}
+
 async fn workers(State(server): State<Arc<Server>>) -> Response {
     // The worker list first: add/remove take it before the mirror, so never the other way round.
     let all = server.workers();
@@ -636,7 +717,13 @@ async fn workers(State(server): State<Arc<Server>>) -> Response {
             json!({
                 "worker_id": w.spec.name,
                 "url": w.spec.url,
-                "state": if w.down.load(Ordering::Relaxed) { "down" } else { "up" },
+                "state": if w.draining.load(Ordering::Relaxed) {
+                    "draining"
+                } else if w.down.load(Ordering::Relaxed) {
+                    "down"
+                } else {
+                    "up"
+                },
                 "breaker": server.breaker_state(w).name(),
                 "block_count": m.router.cache_view(w.id),
                 "in_flight": m.router.in_flight(w.id),

@@ -62,6 +62,8 @@ pub struct Worker {
     pub unconfirmed_since_ms: AtomicU64,
     /// Flagged silent: it served requests for `--event-silence-s` without an event.
     pub silent: AtomicBool,
+    /// Draining: it gets no new requests, and is removed once its in-flight ones finish.
+    pub draining: AtomicBool,
     /// Its ZMQ KV-event subscription is connected and subscribed (a readiness signal:
     /// `/v1/admin/workers` shows it).
     pub subscribed: AtomicBool,
@@ -379,6 +381,7 @@ impl Server {
             breaker: Mutex::new(Breaker::new(self.breaker_config())),
             unconfirmed_since_ms: AtomicU64::new(0),
             silent: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
             task: Mutex::new(None),
         });
         list.push(Arc::clone(&w));
@@ -416,9 +419,43 @@ impl Server {
         }
     }
 
-    /// Whether routing may choose `w`: it is not down and its breaker is not open.
+    /// Whether routing may choose `w`: it is not down or draining, and its breaker is not open.
     pub fn routable(&self, w: &Worker) -> bool {
-        !w.down.load(Ordering::Relaxed) && !self.breaker(w).is_open()
+        !w.down.load(Ordering::Relaxed)
+            && !w.draining.load(Ordering::Relaxed)
+            && !self.breaker(w).is_open()
+    }
+
+    /// Drains the worker named `name` (or stops draining it): a draining worker gets no new
+    /// requests and is removed once its in-flight ones have finished
+    /// ([`finish_drains`](Self::finish_drains)). False if there is no such worker.
+    pub fn set_draining(&self, name: &str, draining: bool) -> bool {
+        let Some(w) = self.worker_named(name) else {
+            return false;
+        };
+        let mut m = self.mirror();
+        if w.draining.swap(draining, Ordering::Relaxed) != draining {
+            m.router.set_routable(w.id, self.routable(&w));
+            drop(m);
+            if draining {
+                tracing::info!("worker {name} draining");
+            } else {
+                tracing::info!("worker {name} no longer draining");
+            }
+        }
+        true
+    }
+
+    /// Removes the draining workers that have no request in flight.
+    pub fn finish_drains(&self) {
+        for w in self.workers() {
+            if !w.draining.load(Ordering::Relaxed) || self.mirror().router.in_flight(w.id) > 0 {
+                continue;
+            }
+            if self.remove_worker(&w.spec.name).is_some() {
+                tracing::info!("worker {} drained and removed", w.spec.name);
+            }
+        }
     }
 
     /// Where `w`'s circuit breaker is.
