@@ -68,6 +68,12 @@ async fn with_request_id(
             v
         }
     };
+    // Requests for completions are traced; health checks, scrapes and admin calls are not.
+    if !req.uri().path().contains("completions") {
+        let mut resp = next.run(req).await;
+        resp.headers_mut().insert(REQUEST_ID.clone(), id);
+        return resp;
+    }
     let span = tracing::info_span!(
         "request",
         request_id = %String::from_utf8_lossy(id.as_bytes()),

@@ -669,13 +669,25 @@ impl Server {
                 &|_: &Worker, k: usize| in_flight[k] as u64,
             ),
             (
+                "kvrouter_worker_routable",
+                "gauge",
+                "1 when routing may choose the worker (not down, draining or behind an open breaker).",
+                &|w: &Worker, _| u64::from(self.routable(w)),
+            ),
+            (
+                "kvrouter_worker_draining",
+                "gauge",
+                "1 while the worker drains (no new requests; removed once its requests finish).",
+                &|w: &Worker, _| u64::from(w.draining.load(Ordering::Relaxed)),
+            ),
+            (
                 "kvrouter_breaker_state",
                 "gauge",
                 "A worker's circuit breaker: 0 closed, 1 open, 2 half-open.",
                 &|w: &Worker, _| u64::from(self.breaker(w).state().gauge()),
             ),
         ]
-            as [(&str, &str, &str, &dyn Fn(&Worker, usize) -> u64); 6]
+            as [(&str, &str, &str, &dyn Fn(&Worker, usize) -> u64); 8]
         {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
             for (k, w) in workers.iter().enumerate() {
