@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use kvblock::{BlockHash, BlockHasher, BlockSize, ExtraKeys};
+use kvblock::{BlockHash, BlockSize, ExtraKeys};
 use kvcache::{KvEvent, WorkerId};
 use kvroute::{
     BusyThreshold, CostModel, Policy, RequestId, Role, RouterBuilder, Salt, TierCredits,
@@ -104,14 +104,7 @@ impl Keys {
     }
 
     fn blocks(&self, size: BlockSize, tokens: &[u32]) -> Vec<BlockHash> {
-        let h = BlockHasher::new(size)
-            .with_lora_name(self.salt.lora_name())
-            .with_namespace(self.salt.namespace_name());
-        if self.keys.is_empty() {
-            h.sequence_hashes(tokens)
-        } else {
-            h.sequence_hashes_keyed(tokens, &self.keys)
-        }
+        self.salt.block_hashes(size, tokens, &self.keys)
     }
 }
 

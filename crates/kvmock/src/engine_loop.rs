@@ -526,6 +526,34 @@ mod tests {
         notes
     }
 
+    /// A router (block size 4) with one worker fed `batches` as kvmock publishes them (map
+    /// shape, numbered in order), and each batch's summary.
+    fn mirror(
+        batches: Vec<Vec<EngineEvent>>,
+    ) -> (Router, WorkerId, Vec<kvroute_vllm::IngestSummary>) {
+        let mut router = Router::builder()
+            .block_size(BlockSize::new(4).unwrap())
+            .build()
+            .unwrap();
+        let w = WorkerId::new(0);
+        router.add_worker(w);
+        let mut ingest = VllmIngest::new();
+        let summaries = batches
+            .into_iter()
+            .enumerate()
+            .map(|(seq, b)| {
+                let payload = crate::events::encode_batch(
+                    &kvroute_vllm::EventBatch::new(0.0, b),
+                    crate::events::WireShape::Map,
+                );
+                ingest
+                    .apply_payload(&mut router, w, Some(seq as u64), &payload)
+                    .unwrap()
+            })
+            .collect();
+        (router, w, summaries)
+    }
+
     #[test]
     fn a_request_gets_all_its_tokens_and_a_second_one_hits() {
         let mut core = Core::new(cfg(None), LinearTiming::default(), true);
@@ -561,22 +589,8 @@ mod tests {
         run(&mut core);
         let mut batches = Vec::new();
         core.take_batches(&mut batches);
-        let mut router = Router::builder()
-            .block_size(BlockSize::new(4).unwrap())
-            .build()
-            .unwrap();
-        let w = WorkerId::new(0);
-        router.add_worker(w);
-        let mut ingest = VllmIngest::new();
-        for (seq, b) in batches.into_iter().enumerate() {
-            let payload = crate::events::encode_batch(
-                &kvroute_vllm::EventBatch::new(0.0, b),
-                crate::events::WireShape::Map,
-            );
-            let seq = (seq as u64).to_be_bytes();
-            let s = ingest
-                .apply_multipart(&mut router, w, &[&b""[..], &seq[..], &payload[..]])
-                .unwrap();
+        let (router, w, summaries) = mirror(batches);
+        for s in summaries {
             assert_eq!((s.unknown_parents, s.unknown_removals), (0, 0));
         }
         assert!(core.engine().cache().stats().evictions > 0);
@@ -638,26 +652,7 @@ mod tests {
         assert_eq!(stored[1].extra_keys, vec![key.clone(), key]);
         assert_ne!(stored[0].block_hashes, stored[1].block_hashes);
         // A router re-hashing the events finds the adapter's blocks under the adapter's salt.
-        let mut router = Router::builder()
-            .block_size(BlockSize::new(4).unwrap())
-            .build()
-            .unwrap();
-        let w = WorkerId::new(0);
-        router.add_worker(w);
-        let mut ingest = VllmIngest::new();
-        for b in batches {
-            ingest
-                .apply_payload(
-                    &mut router,
-                    w,
-                    None,
-                    &crate::events::encode_batch(
-                        &kvroute_vllm::EventBatch::new(0.0, b),
-                        crate::events::WireShape::Map,
-                    ),
-                )
-                .unwrap();
-        }
+        let (mut router, _, _) = mirror(batches);
         let salted = router
             .route_tokens_salted(
                 kvroute::RequestId::new(9),
@@ -698,19 +693,7 @@ mod tests {
         }
         let mut batches = Vec::new();
         core.take_batches(&mut batches);
-        let mut router = Router::builder().block_size(bs).build().unwrap();
-        let w = WorkerId::new(0);
-        router.add_worker(w);
-        let mut ingest = VllmIngest::new();
-        for b in batches {
-            let payload = crate::events::encode_batch(
-                &kvroute_vllm::EventBatch::new(0.0, b),
-                crate::events::WireShape::Map,
-            );
-            ingest
-                .apply_payload(&mut router, w, None, &payload)
-                .unwrap();
-        }
+        let (mut router, _, _) = mirror(batches);
         // The router, keying requests by the same rule, finds each one's blocks.
         for (id, &(l, salt)) in cases.iter().enumerate() {
             let keys = RequestKeys::new(l.map(|l| &*l.name), salt);

@@ -164,6 +164,57 @@ impl Salt {
             .with_lora_name(&self.lora_name)
             .with_namespace(&self.namespace)
     }
+
+    /// The chained hashes of every full block of `tokens` under this salt, block `i` keyed by
+    /// `keys[i]` (none past the end of `keys`): the blocks [`Router::route_tokens_keyed`] looks
+    /// up for such a request, and those an engine with the same keys caches.
+    ///
+    /// ```
+    /// use kvroute::{BlockSize, KvEvent, RequestId, Role, Router, Salt, WorkerId};
+    ///
+    /// let bs = BlockSize::new(4)?;
+    /// let tokens: Vec<u32> = (0..8).collect();
+    /// let salt = Salt::lora("my-lora");
+    /// let mut router = Router::builder().block_size(bs).build()?;
+    /// let w = WorkerId::new(0);
+    /// router.add_worker(w);
+    /// let blocks = salt.block_hashes(bs, &tokens, &[]);
+    /// router.apply_event(w, 0, &KvEvent::Stored { parent: None, blocks })?;
+    /// let d = router.route_tokens_keyed(RequestId::new(1), &tokens, &salt, &[], Role::Unified)?;
+    /// assert_eq!(d.cache_hits, 2);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn block_hashes(
+        &self,
+        block_size: BlockSize,
+        tokens: &[u32],
+        keys: &[ExtraKeys],
+    ) -> Vec<BlockHash> {
+        let mut out = Vec::new();
+        hash_into(
+            &self.apply(kvblock::BlockHasher::new(block_size)),
+            tokens,
+            keys,
+            &mut out,
+        );
+        out
+    }
+}
+
+/// Appends the hashes of every full block of `tokens` to `out`, keyed by `keys` (none: the
+/// plain, faster loop). The one place the router's lookups are hashed.
+#[inline]
+pub(crate) fn hash_into(
+    hasher: &kvblock::BlockHasher,
+    tokens: &[u32],
+    keys: &[ExtraKeys],
+    out: &mut Vec<BlockHash>,
+) {
+    if keys.is_empty() {
+        hasher.sequence_hashes_into(None, tokens, out);
+    } else {
+        hasher.sequence_hashes_keyed_into(None, tokens, keys, out);
+    }
 }
 
 /// How the router picks a worker.

@@ -8,7 +8,7 @@
 //! - a chat prompt with media is routed on its text before the first media message's content
 //!   (the media's own tokens and keys are the engine's to know).
 
-use kvblock::{vllm_extra_keys, BlockHash, BlockHasher, BlockSize, ExtraKeys};
+use kvblock::{vllm_extra_keys, BlockHash, BlockSize, ExtraKeys};
 use kvroute::Salt;
 
 use crate::openai::Request;
@@ -86,11 +86,6 @@ impl RequestKeys {
         self.lora.as_deref().map(Salt::lora).unwrap_or_default()
     }
 
-    /// The hasher the request's blocks are chained with (salted by the adapter's name).
-    pub fn hasher(&self, block_size: BlockSize) -> BlockHasher {
-        BlockHasher::new(block_size).with_lora_name(self.lora.as_deref().unwrap_or(""))
-    }
-
     /// Each full block's extra keys for a prompt of `tokens` tokens (the salt on the first);
     /// empty when the request has none.
     pub fn extra_keys(&self, block_size: BlockSize, tokens: usize) -> Vec<ExtraKeys> {
@@ -103,13 +98,8 @@ impl RequestKeys {
     /// The chained hashes of every full block of `tokens` under these keys: what the router
     /// looks up and what an engine with the same keys caches.
     pub fn block_hashes(&self, block_size: BlockSize, tokens: &[u32]) -> Vec<BlockHash> {
-        let hasher = self.hasher(block_size);
         let keys = self.extra_keys(block_size, tokens.len());
-        if keys.is_empty() {
-            hasher.sequence_hashes(tokens)
-        } else {
-            hasher.sequence_hashes_keyed(tokens, &keys)
-        }
+        self.salt().block_hashes(block_size, tokens, &keys)
     }
 }
 

@@ -805,11 +805,7 @@ impl Router {
     ) -> Result<Decision, Error> {
         let mut blocks = std::mem::take(&mut self.scratch);
         blocks.clear();
-        if keys.is_empty() {
-            hasher.sequence_hashes_into(None, tokens, &mut blocks);
-        } else {
-            hasher.sequence_hashes_keyed_into(None, tokens, keys, &mut blocks);
-        }
+        crate::hash_into(hasher, tokens, keys, &mut blocks);
         // The engine recomputes at least the last token: its hit covers at most len - 1 tokens,
         // which matters to the groups whose rule looks at the blocks just before the hit point.
         self.group_cap = Some(tokens.len().saturating_sub(1) / self.config.block_size.get());
