@@ -79,10 +79,14 @@ async fn with_request_id(
         request_id = %String::from_utf8_lossy(id.as_bytes()),
         trace_id = tracing::field::Empty,
         otel.kind = "server",
-        otel.name = %format!("{} {}", req.method(), req.uri().path()),
+        otel.name = tracing::field::Empty,
     );
-    // With tracing on, the span continues the caller's trace and log lines name it.
+    // With tracing on, the span is named, continues the caller's trace, and log lines name it.
     if kvserve::logging::tracing_on() {
+        span.record(
+            "otel.name",
+            format!("{} {}", req.method(), req.uri().path()),
+        );
         let headers = req.headers();
         let get = |k: &str| Some(headers.get(k)?.to_str().ok()?.to_string());
         if let Some(trace) = kvserve::logging::continue_trace(&span, get) {
@@ -339,7 +343,7 @@ async fn forward(
             "route",
             policy = ?server.cfg.router_policy,
             attempt = attempt as i64,
-            candidates = server.workers().len() as i64,
+            candidates = server.worker_count() as i64,
             worker = tracing::field::Empty,
             hits = tracing::field::Empty,
             blocks = tracing::field::Empty,

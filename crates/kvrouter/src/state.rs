@@ -339,6 +339,11 @@ impl Server {
         self.workers.read().map(|w| w.clone()).unwrap_or_default()
     }
 
+    /// How many workers there are (without copying the list).
+    pub fn worker_count(&self) -> usize {
+        self.workers.read().map_or(0, |w| w.len())
+    }
+
     /// The worker named `name` (`host:port`).
     pub fn worker_named(&self, name: &str) -> Option<Arc<Worker>> {
         self.workers().into_iter().find(|w| w.spec.name == name)
