@@ -65,6 +65,7 @@ mod inflight;
 mod replicas;
 mod ring;
 mod router;
+mod sessions;
 
 use std::fmt;
 use std::str::FromStr;
@@ -80,6 +81,7 @@ pub use kvblock::{ExtraKeys, MultimodalSpan};
 pub use kvcache::{KvEvent, Tier, WorkerId};
 pub use replicas::{LoadChange, LoadDelta};
 pub use router::{Candidate, Decision, Router, RouterBuilder};
+pub use sessions::{SessionAffinity, SessionId};
 
 /// A request's identity while it is in flight: chosen by the caller, unique among the requests
 /// routed and not yet finished.
@@ -357,6 +359,21 @@ pub enum Error {
         block_size: usize,
         /// The router's block size, in tokens.
         router: usize,
+    },
+    /// A session affinity name that does not exist.
+    #[error("unknown session affinity {got:?}: expected off, soft or hard")]
+    UnknownSessionAffinity {
+        /// The name given.
+        got: String,
+    },
+    /// Hard session affinity, and the session's worker is not routable (down, draining,
+    /// removed): the turn cannot go anywhere else.
+    #[error("{session} is held by {worker}, which is not routable (hard session affinity)")]
+    SessionUnavailable {
+        /// The session.
+        session: SessionId,
+        /// Its worker.
+        worker: WorkerId,
     },
     /// An event the cache index rejected.
     #[error(transparent)]

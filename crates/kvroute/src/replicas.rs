@@ -56,6 +56,13 @@ pub enum LoadChange {
         /// version): counted as decoding at once.
         #[cfg_attr(feature = "serde", serde(default))]
         pending: Option<usize>,
+        /// The session it belongs to, which now lives on `worker` at every replica (absent
+        /// from replicas of an earlier version).
+        #[cfg_attr(
+            feature = "serde",
+            serde(default, skip_serializing_if = "Option::is_none")
+        )]
+        session: Option<crate::SessionId>,
     },
     /// The replica saw `request`'s first token: its blocks move from pending prefill to decode
     /// (see [`Router::prefill_done`](crate::Router::prefill_done)).

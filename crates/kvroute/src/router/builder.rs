@@ -26,6 +26,8 @@ pub struct RouterBuilder {
     pub(super) predicted_ttl: Duration,
     pub(super) tier_credits: TierCredits,
     pub(super) tail_first: bool,
+    pub(super) session_affinity: SessionAffinity,
+    pub(super) session_ttl: Duration,
 }
 
 impl Default for RouterBuilder {
@@ -47,6 +49,8 @@ impl Default for RouterBuilder {
             predicted_ttl: Duration::ZERO,
             tier_credits: TierCredits::default(),
             tail_first: false,
+            session_affinity: SessionAffinity::Soft,
+            session_ttl: Duration::from_secs(600),
         }
     }
 }
@@ -233,6 +237,43 @@ impl RouterBuilder {
         self
     }
 
+    /// How the turns of a session are routed by
+    /// [`route_in_session`](Router::route_in_session) (default [`SessionAffinity::Soft`]).
+    ///
+    /// ```
+    /// use kvroute::{Policy, RequestId, Role, Router, SessionAffinity, SessionId, WorkerId};
+    ///
+    /// let mut router = Router::builder()
+    ///     .policy(Policy::RoundRobin)
+    ///     .session_affinity(SessionAffinity::Soft)
+    ///     .build()?;
+    /// for w in 0..3 {
+    ///     router.add_worker(WorkerId::new(w));
+    /// }
+    /// let chat = SessionId::from_name("chat-1");
+    /// let turns: Vec<u64> = (0..3)
+    ///     .map(|i| router.route_in_session(chat, RequestId::new(i), &[], Role::Unified).map(|d| d.worker.get()))
+    ///     .collect::<Result<_, _>>()?;
+    /// assert_eq!(turns, [0, 0, 0]); // round robin would have given 0, 1, 2
+    /// router.set_routable(WorkerId::new(0), false); // drained: the session moves, once
+    /// let moved: Vec<u64> = (3..6)
+    ///     .map(|i| router.route_in_session(chat, RequestId::new(i), &[], Role::Unified).map(|d| d.worker.get()))
+    ///     .collect::<Result<_, _>>()?;
+    /// assert_eq!(moved, [1, 1, 1]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn session_affinity(mut self, affinity: SessionAffinity) -> Self {
+        self.session_affinity = affinity;
+        self
+    }
+
+    /// How long a session is remembered after its last turn, on the router's clock
+    /// ([`Router::set_clock`]; default 600 s). Zero remembers none.
+    pub fn session_ttl(mut self, ttl: Duration) -> Self {
+        self.session_ttl = ttl;
+        self
+    }
+
     /// Validates the settings and builds the router.
     pub fn build(self) -> Result<Router, Error> {
         let check = |name, w: f64| {
@@ -271,6 +312,7 @@ impl RouterBuilder {
             })?;
         let mut index = CacheIndex::new();
         index.set_tail_first(self.tail_first);
+        let session_ttl = self.session_ttl;
         Ok(Router {
             hasher: BlockHasher::new(self.block_size),
             ring: Ring::new(vnodes),
@@ -302,6 +344,8 @@ impl RouterBuilder {
             lower: Vec::new(),
             lower_hits: Vec::new(),
             lower_credit: Vec::new(),
+            sessions: Sessions::new(session_ttl),
+            session: None,
         })
     }
 }

@@ -12,9 +12,10 @@ use crate::cost::{sample_softmax, score};
 use crate::groups::Groups;
 use crate::inflight::InFlightBlocks;
 use crate::ring::Ring;
+use crate::sessions::Sessions;
 use crate::{
     cost, prefill_aware_cost, BusyThreshold, CacheGroup, CostModel, Error, LoadChange, LoadDelta,
-    Map, Policy, RequestId, Role, Salt, TierCredits,
+    Map, Policy, RequestId, Role, Salt, SessionAffinity, SessionId, TierCredits,
 };
 
 mod builder;
@@ -170,6 +171,10 @@ pub struct Router {
     /// their credit.
     lower_hits: Vec<usize>,
     lower_credit: Vec<f64>,
+    /// Each live session's worker.
+    sessions: Sessions,
+    /// The session of the request `route` is routing, for this call only.
+    session: Option<SessionId>,
 }
 
 impl Load {
@@ -536,14 +541,19 @@ impl Router {
         blocks: &[BlockHash],
         role: Role,
     ) -> Result<Decision, Error> {
-        // Set by `route_hashed` for this call only.
+        // Set by `route_hashed` and `route_in_session` for this call only.
         let cap = self.group_cap.take();
+        let session = self.session.take();
         if self.members.is_empty() {
             return Err(Error::NoWorkers);
         }
         if self.requests.contains_key(&request_id) {
             return Err(Error::DuplicateRequest { request_id });
         }
+        let sticky = match session {
+            Some(s) => self.sticky(s)?,
+            None => None,
+        };
         let weight = self.weight(role);
         let n = blocks.len();
         self.index.overlaps_into(blocks, &mut self.overlaps);
@@ -558,9 +568,10 @@ impl Router {
         if !self.lower.is_empty() {
             self.credit_lower_tiers(blocks);
         }
-        let chosen = match self.config.policy {
-            Policy::Kv => self.choose_kv(weight, n),
-            Policy::PrefixAware => match Ring::key(blocks, self.config.prefix_blocks) {
+        let chosen = match (sticky, self.config.policy) {
+            (Some(i), _) => i,
+            (None, Policy::Kv) => self.choose_kv(weight, n),
+            (None, Policy::PrefixAware) => match Ring::key(blocks, self.config.prefix_blocks) {
                 Some(key) => self
                     .ring
                     .owner(key)
@@ -569,8 +580,8 @@ impl Router {
                 // No full block: nothing to be consistent about, so spread by turns.
                 None => self.round_robin(),
             },
-            Policy::RoundRobin => self.round_robin(),
-            Policy::Random => {
+            (None, Policy::RoundRobin) => self.round_robin(),
+            (None, Policy::Random) => {
                 let k = self.uniform(self.members.len());
                 self.members[k]
             }
@@ -611,12 +622,16 @@ impl Router {
                 prefill: Some(uncached),
             },
         );
+        if let Some(s) = session.filter(|_| self.config.session_affinity != SessionAffinity::Off) {
+            self.sessions.record(s, worker, self.now);
+        }
         if self.config.replica.is_some() {
             self.share(LoadChange::Routed {
                 request: request_id,
                 worker,
                 blocks: blocks.to_vec(),
                 pending: Some(uncached),
+                session,
             });
         }
         Ok(Decision {
@@ -626,6 +641,80 @@ impl Router {
             request_blocks: n,
             lower_tier_hits,
         })
+    }
+
+    /// The dense index `session`'s turn must go to: its worker's, unless affinity is off, the
+    /// session is unknown or lapsed, or (soft) its worker is not routable or busy.
+    fn sticky(&mut self, session: SessionId) -> Result<Option<usize>, Error> {
+        let affinity = self.config.session_affinity;
+        if affinity == SessionAffinity::Off {
+            return Ok(None);
+        }
+        let Some(worker) = self.sessions.worker(session, self.now) else {
+            return Ok(None);
+        };
+        // Routable: listed in `members` (sorted by worker id).
+        let routable = self
+            .members
+            .binary_search_by_key(&worker, |&m| {
+                self.slots[m].as_ref().map_or(worker, |l| l.id)
+            })
+            .ok()
+            .map(|k| self.members[k]);
+        match (affinity, routable) {
+            (SessionAffinity::Hard, Some(i)) => Ok(Some(i)),
+            (SessionAffinity::Hard, None) => Err(Error::SessionUnavailable { session, worker }),
+            (_, Some(i)) if !self.is_busy(i) => Ok(Some(i)),
+            _ => Ok(None),
+        }
+    }
+
+    /// [`route`](Self::route) for a turn of `session`: under the router's
+    /// [`SessionAffinity`](crate::SessionAffinity) it goes to the worker of the session's last
+    /// turn (see [`RouterBuilder::session_affinity`]), and the session lives on the worker it
+    /// went to, for the session TTL on the router's clock ([`set_clock`](Self::set_clock)).
+    /// With replica sharing on, the other replicas learn the session's worker from this route's
+    /// [`LoadChange::Routed`].
+    pub fn route_in_session(
+        &mut self,
+        session: SessionId,
+        request_id: RequestId,
+        blocks: &[BlockHash],
+        role: Role,
+    ) -> Result<Decision, Error> {
+        self.session = Some(session);
+        let d = self.route(request_id, blocks, role);
+        self.session = None;
+        d
+    }
+
+    /// [`route_tokens_keyed`](Self::route_tokens_keyed) for a turn of `session` (see
+    /// [`route_in_session`](Self::route_in_session)).
+    pub fn route_tokens_in_session(
+        &mut self,
+        session: SessionId,
+        request_id: RequestId,
+        tokens: &[u32],
+        salt: &Salt,
+        keys: &[ExtraKeys],
+        role: Role,
+    ) -> Result<Decision, Error> {
+        let hasher = salt.apply(BlockHasher::new(self.config.block_size));
+        self.session = Some(session);
+        let d = self.route_hashed(&hasher, request_id, tokens, keys, role);
+        self.session = None;
+        d
+    }
+
+    /// The worker of `session`'s last turn, unless the session lapsed.
+    pub fn session_worker(&mut self, session: SessionId) -> Option<WorkerId> {
+        self.sessions.worker(session, self.now)
+    }
+
+    /// Sessions remembered (used within the session TTL).
+    pub fn live_sessions(&mut self) -> usize {
+        self.sessions.expire(self.now);
+        self.sessions.len()
     }
 
     /// Every worker's lower-tier hits after its device run, and their credit.

@@ -70,10 +70,16 @@ impl Router {
                 worker,
                 blocks,
                 pending,
+                session,
             } => {
                 let key = (delta.replica, *request);
                 if self.remote.contains_key(&key) || self.tombstones.contains_key(&key) {
                     return false;
+                }
+                if let Some(s) =
+                    session.filter(|_| self.config.session_affinity != SessionAffinity::Off)
+                {
+                    self.sessions.record(s, *worker, self.now);
                 }
                 let Some(i) = self.member_index(*worker) else {
                     return false;
