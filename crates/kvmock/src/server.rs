@@ -57,6 +57,10 @@ pub struct Faults {
     pub error_rate: f64,
     /// How long every completion request waits before it is handled, milliseconds.
     pub stall_ms: u64,
+    /// The process exits (status 3) once this many tokens have been streamed in all, right
+    /// after the last one is sent, as an engine that crashes mid-answer (0: never). Meant for
+    /// the `kvmock` binary: a library user's whole process exits.
+    pub die_after_tokens: u64,
 }
 
 impl Faults {
@@ -122,6 +126,8 @@ struct AppState {
     next_id: AtomicU64,
     /// Completion requests seen by the fault injection.
     faulted: AtomicU64,
+    /// Tokens streamed in all (counted for `Faults::die_after_tokens` only).
+    streamed: Arc<AtomicU64>,
     created: u64,
 }
 
@@ -135,6 +141,7 @@ pub fn app(cfg: ApiConfig, engine: EngineHandle) -> Router {
         engine,
         next_id: AtomicU64::new(0),
         faulted: AtomicU64::new(0),
+        streamed: Arc::new(AtomicU64::new(0)),
         created,
     });
     Router::new()
@@ -477,7 +484,12 @@ fn prepare_chat(st: &AppState, body: &Bytes) -> Result<Prepared, ApiError> {
     let Input::Messages(msgs) = &req.input else {
         return Err(bad("a chat request needs `messages`"));
     };
-    let text = tokenize::chat_text(&st.cfg.template, msgs).map_err(bad)?;
+    let text = if req.continue_final_message {
+        tokenize::chat_text_continued(&st.cfg.template, msgs)
+    } else {
+        tokenize::chat_text(&st.cfg.template, msgs)
+    }
+    .map_err(bad)?;
     let tokens = st.cfg.codec.encode(&text, false).map_err(bad)?;
     finish_prepare(st, &req, tokens, true, lora)
 }
@@ -813,6 +825,9 @@ async fn run(st: Arc<AppState>, p: Prepared, arrived: Instant, ids: Ids) -> Resp
         cached: 0,
         done: false,
         pending: out,
+        die: (st.cfg.faults.die_after_tokens > 0)
+            .then(|| (Arc::clone(&st.streamed), st.cfg.faults.die_after_tokens)),
+        dying: false,
     };
     // The body reads the engine's progress itself: no task between the engine and the socket.
     let stream = futures_util::stream::unfold(state, |mut st| async move {
@@ -847,12 +862,21 @@ struct SseState {
     done: bool,
     /// Bytes to send before waiting again (the chat role chunk).
     pending: Vec<u8>,
+    /// `Faults::die_after_tokens`: the server's count of streamed tokens, and the limit.
+    die: Option<(Arc<AtomicU64>, u64)>,
+    /// The limit was reached with the bytes last returned: exit at the next call.
+    dying: bool,
 }
 
 impl SseState {
     /// The next bytes to write: everything the engine produced since the last call, in one
     /// piece; `None` once the stream has ended.
     async fn next_bytes(&mut self) -> Option<Bytes> {
+        if self.dying {
+            // The last token's bytes went to the socket with the previous call.
+            tracing::error!("exiting: an injected fault (--fault-die-after-tokens)");
+            std::process::exit(3);
+        }
         let mut out = std::mem::take(&mut self.pending);
         if !out.is_empty() {
             return Some(Bytes::from(out));
@@ -883,6 +907,12 @@ impl SseState {
                         &self.frames.0
                     };
                     token_sse(f, &text, &mut out);
+                    if let Some((streamed, limit)) = &self.die {
+                        if streamed.fetch_add(1, Ordering::Relaxed) + 1 >= *limit {
+                            self.dying = true;
+                            return Some(Bytes::from(out));
+                        }
+                    }
                 }
                 Progress::Finished { .. } => self.done = true,
                 Progress::Rejected => {

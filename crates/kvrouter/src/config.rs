@@ -111,6 +111,23 @@ pub struct Config {
     /// wait drawn between half and one and a half times that (jitter).
     #[arg(long, default_value_t = 20, value_name = "MS")]
     pub retry_backoff_ms: u64,
+    /// Times a streamed answer may move to another worker when its worker fails after the
+    /// first byte reached the client (0: never). The request is sent again with the prompt
+    /// extended by the answer so far and max_tokens reduced (chat: vLLM's
+    /// continue_final_message), and the client's stream goes on: same id, no token lost or
+    /// repeated, one finish_reason, one [DONE], usage summed. Not for n > 1, echo, or a
+    /// token-id prompt without --router-tokenizer-path.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub migration_limit: usize,
+    /// What a request's x-session-id header does: soft keeps the session on the worker of its
+    /// last turn unless that worker is down, draining or busy (--busy-threshold), then moves it
+    /// once; hard never moves it (503 while its worker is out); off ignores the header.
+    /// Sessions are shared between replicas with --router-replica-sync.
+    #[arg(long, default_value = "soft", value_name = "soft|hard|off")]
+    pub session_affinity: SessionAffinityName,
+    /// How long a session is remembered after its last turn, seconds.
+    #[arg(long, default_value_t = 600.0, value_name = "SECONDS", value_parser = parse_timeout)]
+    pub session_ttl_s: f64,
     /// A worker's circuit breaker opens after this many failures within --breaker-window-s
     /// (0: never): the worker gets no requests for --breaker-cooldown-s, then requests try it
     /// again (half-open) and the next success closes the breaker, the next failure reopens it.
@@ -293,6 +310,19 @@ fn parse_timeout(s: &str) -> Result<f64, String> {
         _ => Err(format!(
             "expected a number of seconds above 0 and at most 1e6, got {s:?}"
         )),
+    }
+}
+
+/// `--session-affinity`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SessionAffinityName(pub kvroute::SessionAffinity);
+
+impl FromStr for SessionAffinityName {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        s.parse()
+            .map(SessionAffinityName)
+            .map_err(|e: kvroute::Error| e.to_string())
     }
 }
 

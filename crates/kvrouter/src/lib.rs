@@ -38,6 +38,7 @@ pub mod events;
 mod feeds;
 pub mod histogram;
 pub mod lora;
+mod migrate;
 pub mod nats;
 pub mod proxy;
 pub mod relay;

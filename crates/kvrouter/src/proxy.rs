@@ -12,13 +12,14 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures_util::StreamExt;
 use http_body_util::{BodyStream, Full};
-use kvroute::{RequestId, Role};
+use kvroute::{RequestId, Role, SessionId};
 use kvserve::keys::RequestKeys;
 use kvserve::openai::{self, Endpoint, Input, Request};
 use kvserve::tokenize;
 use serde_json::{json, Value};
 use tracing::Instrument;
 
+use crate::migrate;
 use crate::state::{Server, Worker};
 
 /// The routes over `server`.
@@ -199,7 +200,7 @@ async fn completions(
     let tokens = tracing::info_span!("tokenize")
         .in_scope(|| tokenize::prompt_tokens(&req.input, |t| encode(&server, t, true)));
     match tokens {
-        Ok(tokens) => forward(server, "/v1/completions", body, &headers, &tokens, &keys).await,
+        Ok(tokens) => forward(server, &req, body, &headers, tokens, &keys).await,
         Err(e) => bad(e),
     }
 }
@@ -218,17 +219,7 @@ async fn chat(
     };
     let tokens = tracing::info_span!("tokenize").in_scope(|| chat_tokens(&server, &req, &keys));
     match tokens {
-        Ok(tokens) => {
-            forward(
-                server,
-                "/v1/chat/completions",
-                body,
-                &headers,
-                &tokens,
-                &keys,
-            )
-            .await
-        }
+        Ok(tokens) => forward(server, &req, body, &headers, tokens, &keys).await,
         Err(e) => bad(e),
     }
 }
@@ -310,27 +301,106 @@ async fn admit(server: &Server) -> Result<Option<tokio::sync::OwnedSemaphorePerm
     }
 }
 
-/// Routes `tokens`, forwards `body` to the winner and streams its response back. A worker that
-/// refuses the connection is marked down and the next-best one is tried. The request's
-/// `cache_salt` (vLLM's field) keys its first block, so only requests with the same salt share
-/// cached blocks.
+/// One request as the router forwards it: what it is routed on and sent with, kept for a
+/// retry or for continuing its answer on another worker.
+struct Job {
+    endpoint: Endpoint,
+    /// The engine's path.
+    path: &'static str,
+    /// The client's headers sent on: credentials, request id, trace context.
+    headers: header::HeaderMap,
+    tokens: Vec<u32>,
+    salt: kvroute::Salt,
+    extra: Vec<kvblock::ExtraKeys>,
+    /// Its `x-session-id` (with --session-affinity soft or hard).
+    session: Option<SessionId>,
+    /// It asked for a streamed answer.
+    stream: bool,
+}
+
+/// The session header.
+static SESSION_ID: header::HeaderName = header::HeaderName::from_static("x-session-id");
+
+/// Routes `tokens`, forwards `body` to the winner and streams its response back (see
+/// [`send`] for retries, [`Relay`] for the answer). The request's `cache_salt` (vLLM's field)
+/// keys its first block, so only requests with the same salt share cached blocks.
 async fn forward(
     server: Arc<Server>,
-    path: &str,
+    req: &Request,
     body: Bytes,
     headers: &header::HeaderMap,
-    tokens: &[u32],
+    tokens: Vec<u32>,
     keys: &RequestKeys,
 ) -> Response {
     // The one keying rule (LoRA adapter, cache salt), shared with the engine emulator.
     let bs = kvblock::BlockSize::new(server.cfg.block_size).unwrap_or_default();
-    let (salt, extra) = (keys.salt(), keys.extra_keys(bs, tokens.len()));
-    let mut place = match admit(&server).await {
+    let mut sent_on = header::HeaderMap::new();
+    for name in [&header::AUTHORIZATION, &REQUEST_ID] {
+        if let Some(v) = headers.get(name) {
+            sent_on.insert(name.clone(), v.clone());
+        }
+    }
+    for name in ["traceparent", "tracestate"] {
+        if let Some(v) = headers.get(name) {
+            sent_on.insert(name, v.clone());
+        }
+    }
+    let session = (server.cfg.session_affinity.0 != kvroute::SessionAffinity::Off)
+        .then(|| {
+            headers
+                .get(&SESSION_ID)?
+                .to_str()
+                .ok()
+                .filter(|s| !s.is_empty())
+        })
+        .flatten()
+        .map(SessionId::from_name);
+    let job = Job {
+        endpoint: req.endpoint,
+        path: if matches!(req.endpoint, Endpoint::Chat) {
+            "/v1/chat/completions"
+        } else {
+            "/v1/completions"
+        },
+        headers: sent_on,
+        salt: keys.salt(),
+        extra: keys.extra_keys(bs, tokens.len()),
+        tokens,
+        session,
+        stream: req.stream,
+    };
+    let place = match admit(&server).await {
         Ok(place) => place,
         Err(busy) => return busy,
     };
-    // Workers that failed this request before its first byte: not tried again for it.
-    let mut tried: Vec<Arc<Worker>> = Vec::new();
+    let mut tried = Vec::new();
+    match send(&server, &job, &body, &mut tried).await {
+        Ok(mut sent) => {
+            sent.guard.place = place;
+            Relay::respond(server, job, body, sent, tried)
+        }
+        Err(failure) => failure,
+    }
+}
+
+/// A worker's answer to a request: the response, the request's load (released when the guard
+/// drops) and the worker.
+struct Sent {
+    resp: hyper::Response<hyper::body::Incoming>,
+    guard: Finish,
+    worker: Arc<Worker>,
+}
+
+/// Routes `job` and sends `body` to the winner. A worker that refuses the connection, answers
+/// 5xx or not within --upstream-timeout-s is left for the next-best worker not in `tried`
+/// (--retries), after a backoff; every worker tried is added to `tried`. The error is the answer
+/// for the client.
+async fn send(
+    server: &Arc<Server>,
+    job: &Job,
+    body: &Bytes,
+    tried: &mut Vec<Arc<Worker>>,
+) -> Result<Sent, Response> {
     let mut last_failure = None;
     for attempt in 0..=server.cfg.retries {
         if attempt > 0 {
@@ -354,13 +424,36 @@ async fn forward(
             let mut mirror = server.mirror();
             mirror.router.set_clock(server.started.elapsed());
             // The workers tried already are out of this decision only.
-            for w in &tried {
+            for w in tried.iter() {
                 mirror.router.set_routable(w.id, false);
             }
-            let d = mirror
-                .router
-                .route_tokens_keyed(id, tokens, &salt, &extra, Role::Unified);
-            for w in &tried {
+            let (salt, extra) = (&job.salt, &job.extra);
+            let d = match job.session {
+                None => {
+                    mirror
+                        .router
+                        .route_tokens_keyed(id, &job.tokens, salt, extra, Role::Unified)
+                }
+                Some(s) => {
+                    let before = mirror.router.session_worker(s);
+                    let d = mirror.router.route_tokens_in_session(
+                        s,
+                        id,
+                        &job.tokens,
+                        salt,
+                        extra,
+                        Role::Unified,
+                    );
+                    if matches!((&d, before), (Ok(d), Some(b)) if d.worker != b) {
+                        server
+                            .counters
+                            .session_moves
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                    d
+                }
+            };
+            for w in tried.iter() {
                 mirror.router.set_routable(w.id, server.routable(w));
             }
             server.flush_deltas(&mut mirror.router);
@@ -370,12 +463,21 @@ async fn forward(
         let d = match decision {
             Ok(d) => d,
             Err(kvroute::Error::NoWorkers) => break,
+            // A hard session whose worker failed this request: that failure is the answer.
+            Err(kvroute::Error::SessionUnavailable { .. }) if last_failure.is_some() => break,
+            Err(e @ kvroute::Error::SessionUnavailable { .. }) => {
+                return Err(error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "ServiceUnavailableError",
+                    format!("{e} (--session-affinity hard)"),
+                ))
+            }
             Err(e) => {
-                return error(
+                return Err(error(
                     StatusCode::INTERNAL_SERVER_ERROR,
                     "InternalServerError",
                     e.to_string(),
-                )
+                ))
             }
         };
         // Whole numbers as OTLP integers (tracing-opentelemetry writes a u64 as a string).
@@ -385,8 +487,8 @@ async fn forward(
         route_span.record("cost", d.cost);
         // Not held across the upstream call (the guard is not Send).
         drop(_entered);
-        let mut guard = Finish {
-            server: Arc::clone(&server),
+        let guard = Finish {
+            server: Arc::clone(server),
             id,
             place: None,
         };
@@ -397,9 +499,9 @@ async fn forward(
         tried.push(Arc::clone(&worker));
         let upstream_span =
             tracing::info_span!("upstream", worker = %worker.spec.name, otel.kind = "client");
-        let req = match upstream_request(&worker, path, &body, headers, &upstream_span) {
+        let req = match upstream_request(&worker, job, body, &upstream_span) {
             Ok(r) => r,
-            Err(e) => return bad(format!("cannot forward the request: {e}")),
+            Err(e) => return Err(bad(format!("cannot forward the request: {e}"))),
         };
         let limit = std::time::Duration::from_secs_f64(server.cfg.upstream_timeout_s);
         let sent = tokio::time::timeout(limit, server.client.request(req))
@@ -422,8 +524,11 @@ async fn forward(
                 } else {
                     server.worker_served(&worker);
                 }
-                guard.place = place.take();
-                return stream_back(resp, guard, worker);
+                return Ok(Sent {
+                    resp,
+                    guard,
+                    worker,
+                });
             }
             Ok(Ok(resp)) => error(
                 StatusCode::BAD_GATEWAY,
@@ -458,13 +563,13 @@ async fn forward(
         server.worker_failed(&worker);
         last_failure = Some(failure);
     }
-    last_failure.unwrap_or_else(|| {
+    Err(last_failure.unwrap_or_else(|| {
         error(
             StatusCode::SERVICE_UNAVAILABLE,
             "ServiceUnavailableError",
             "no worker is available",
         )
-    })
+    }))
 }
 
 /// The wait before retry `attempt` (1, 2, ...): `base_ms` doubled for each retry after the
@@ -483,25 +588,17 @@ fn backoff(base_ms: u64, attempt: usize) -> std::time::Duration {
 /// trace (this request's span with tracing on, else the caller's headers as they came).
 fn upstream_request(
     worker: &Worker,
-    path: &str,
+    job: &Job,
     body: &Bytes,
-    headers: &header::HeaderMap,
     span: &tracing::Span,
 ) -> Result<hyper::Request<Full<Bytes>>, axum::http::Error> {
-    let mut req = hyper::Request::post(format!("{}{path}", worker.spec.url))
+    let mut req = hyper::Request::post(format!("{}{}", worker.spec.url, job.path))
         .header(header::CONTENT_TYPE, "application/json");
-    // vLLM names its request by the request id.
-    for name in [header::AUTHORIZATION, REQUEST_ID.clone()] {
-        if let Some(v) = headers.get(&name) {
-            req = req.header(name, v.clone());
-        }
-    }
     let traced = kvserve::logging::trace_headers(span);
-    if traced.is_empty() {
-        for name in ["traceparent", "tracestate"] {
-            if let Some(v) = headers.get(name) {
-                req = req.header(name, v.clone());
-            }
+    for (name, v) in &job.headers {
+        // vLLM names its request by the request id; a traced router sends its own trace.
+        if traced.is_empty() || !name.as_str().starts_with("trace") {
+            req = req.header(name, v.clone());
         }
     }
     for (name, v) in traced {
@@ -510,64 +607,238 @@ fn upstream_request(
     req.body(Full::new(body.clone()))
 }
 
-/// The worker's response, streamed as it arrives; the request is finished when it ends.
-fn stream_back(
-    resp: hyper::Response<hyper::body::Incoming>,
-    guard: Finish,
+/// A worker's answer on its way to the client. A streamed answer (`stream: true`, an event
+/// stream) is forwarded event by event, and when its worker fails before `[DONE]` it continues
+/// on another worker (`--migration-limit`, see [`migrate`]); anything else is forwarded as it
+/// comes. The request's load is released when the answer ends, fails or the client leaves.
+struct Relay {
+    server: Arc<Server>,
+    job: Job,
+    /// The request body (the continuation is made from it).
+    body: Bytes,
+    upstream: BodyStream<hyper::body::Incoming>,
+    /// The current attempt's load and the client's place (`None` only while moving).
+    guard: Option<Finish>,
     worker: Arc<Worker>,
-) -> Response {
-    let (parts, body) = resp.into_parts();
-    let served = header::HeaderValue::from_str(&worker.spec.name).ok();
-    // A streamed response's first chunk carries the first token; a plain one arrives whole at
-    // the end, so its request counts as prefilling until it finishes.
-    let streamed = parts
-        .headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("text/event-stream"));
-    let mut prefilling = guard.server.tracks_prefill && streamed;
-    let stream = BodyStream::new(body).filter_map(move |frame| {
-        // The guard lives as long as the stream: dropped at its end, or with the client.
-        let out = match frame {
-            Ok(f) => {
-                if prefilling {
-                    // The first chunk carries the first token: the request now decodes.
-                    prefilling = false;
-                    let mut m = guard.server.mirror();
-                    let _ = m.router.prefill_done(guard.id);
-                    guard.server.flush_deltas(&mut m.router);
-                }
-                f.into_data().ok().map(Ok)
-            }
-            Err(e) => {
-                worker.upstream_errors.fetch_add(1, Ordering::Relaxed);
-                // It broke off mid-stream: skip it until its /health answers again.
-                guard.server.set_down(&worker, true);
-                Some(Err(std::io::Error::other(format!(
-                    "worker {} broke off the response: {e}",
-                    worker.spec.name
-                ))))
-            }
+    /// The router needs the first token of the current attempt (`Router::prefill_done`).
+    prefilling: bool,
+    /// Cuts the answer into whole events; `None`: the answer is forwarded as it comes.
+    events: Option<migrate::Events>,
+    /// What the client has of the answer.
+    answer: migrate::Answer,
+    /// Set once the answer continues on another worker.
+    rewrite: Option<migrate::Rewrite>,
+    moves: usize,
+    tried: Vec<Arc<Worker>>,
+    ended: bool,
+}
+
+impl Relay {
+    /// The client's response: the worker's status and headers, and the answer as a stream.
+    fn respond(
+        server: Arc<Server>,
+        job: Job,
+        body: Bytes,
+        sent: Sent,
+        tried: Vec<Arc<Worker>>,
+    ) -> Response {
+        let Sent {
+            resp,
+            guard,
+            worker,
+        } = sent;
+        let (parts, incoming) = resp.into_parts();
+        let served = header::HeaderValue::from_str(&worker.spec.name).ok();
+        // A streamed response's first chunk carries the first token; a plain one arrives whole
+        // at the end, so its request counts as prefilling until it finishes.
+        let streamed = parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        let movable =
+            streamed && job.stream && parts.status.is_success() && server.cfg.migration_limit > 0;
+        let relay = Relay {
+            prefilling: server.tracks_prefill && streamed,
+            server,
+            job,
+            body,
+            upstream: BodyStream::new(incoming),
+            guard: Some(guard),
+            worker,
+            events: movable.then(migrate::Events::default),
+            answer: migrate::Answer::default(),
+            rewrite: None,
+            moves: 0,
+            tried,
+            ended: false,
         };
-        std::future::ready(out)
-    });
-    let mut out = Response::new(Body::from_stream(stream));
-    *out.status_mut() = parts.status;
-    for (k, v) in &parts.headers {
-        if k != header::CONTENT_LENGTH && k != header::TRANSFER_ENCODING && k != header::CONNECTION
-        {
-            out.headers_mut().insert(k.clone(), v.clone());
+        let stream =
+            futures_util::stream::unfold(
+                relay,
+                |mut r| async move { r.next().await.map(|b| (b, r)) },
+            );
+        let mut out = Response::new(Body::from_stream(stream));
+        *out.status_mut() = parts.status;
+        for (k, v) in &parts.headers {
+            if k != header::CONTENT_LENGTH
+                && k != header::TRANSFER_ENCODING
+                && k != header::CONNECTION
+            {
+                out.headers_mut().insert(k.clone(), v.clone());
+            }
+        }
+        if let Some(len) = parts.headers.get(header::CONTENT_LENGTH) {
+            out.headers_mut()
+                .insert(header::CONTENT_LENGTH, len.clone());
+        }
+        // Which worker served it (the first, when the answer moved: the headers were sent).
+        if let Some(v) = served {
+            out.headers_mut().insert("x-kvkit-worker", v);
+        }
+        out
+    }
+
+    /// The next bytes for the client; `None` at the answer's end.
+    async fn next(&mut self) -> Option<Result<Bytes, std::io::Error>> {
+        loop {
+            if self.ended {
+                return None;
+            }
+            let why = match self.upstream.next().await {
+                Some(Ok(frame)) => {
+                    let Ok(data) = frame.into_data() else {
+                        continue;
+                    };
+                    self.first_token();
+                    let Some(events) = &mut self.events else {
+                        return Some(Ok(data));
+                    };
+                    let whole = events.push(&data);
+                    let out = match &self.rewrite {
+                        Some(r) => r.events(&whole),
+                        None => whole,
+                    };
+                    if out.is_empty() {
+                        continue;
+                    }
+                    self.answer.read(&out);
+                    return Some(Ok(Bytes::from(out)));
+                }
+                Some(Err(e)) => format!(
+                    "worker {} broke off the response: {e}",
+                    self.worker.spec.name
+                ),
+                None if self.events.is_none() || self.answer.done => {
+                    self.ended = true;
+                    return None;
+                }
+                None => format!(
+                    "worker {} ended the stream before [DONE]",
+                    self.worker.spec.name
+                ),
+            };
+            self.worker.upstream_errors.fetch_add(1, Ordering::Relaxed);
+            // It broke off mid-stream: skip it until its /health answers again.
+            self.server.set_down(&self.worker, true);
+            self.server.worker_failed(&self.worker);
+            if self.answer.finished {
+                // Only the end was missing.
+                self.ended = true;
+                return Some(Ok(Bytes::from_static(b"data: [DONE]\n\n")));
+            }
+            match self.continue_elsewhere(&why).await {
+                Ok(true) => continue,
+                Ok(false) => {
+                    self.ended = true;
+                    return Some(Ok(Bytes::from_static(b"data: [DONE]\n\n")));
+                }
+                Err(e) => {
+                    self.ended = true;
+                    self.server
+                        .counters
+                        .migrations_failed
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!("{e}");
+                    return Some(Err(std::io::Error::other(e)));
+                }
+            }
         }
     }
-    if let Some(len) = parts.headers.get(header::CONTENT_LENGTH) {
-        out.headers_mut()
-            .insert(header::CONTENT_LENGTH, len.clone());
+
+    /// The router learns the current attempt's first token from its first bytes.
+    fn first_token(&mut self) {
+        if self.prefilling {
+            self.prefilling = false;
+            if let Some(g) = &self.guard {
+                let mut m = self.server.mirror();
+                let _ = m.router.prefill_done(g.id);
+                self.server.flush_deltas(&mut m.router);
+            }
+        }
     }
-    // Which worker served it.
-    if let Some(v) = served {
-        out.headers_mut().insert("x-kvkit-worker", v);
+
+    /// Sends the continuation of the answer to another worker and reads on from it: `Ok(true)`
+    /// once it answers, `Ok(false)` when the answer was complete, else why it cannot move.
+    async fn continue_elsewhere(&mut self, why: &str) -> Result<bool, String> {
+        let limit = self.server.cfg.migration_limit;
+        if self.moves >= limit
+            || self.events.as_ref().is_none_or(|e| !e.whole())
+            || self.answer.error
+        {
+            return Err(format!(
+                "{why}; the answer cannot move to another worker (--migration-limit {limit})"
+            ));
+        }
+        let encode = self
+            .server
+            .text
+            .as_ref()
+            .map(|(codec, _)| move |t: &str| codec.encode(t, false));
+        let encode = encode
+            .as_ref()
+            .map(|f| f as &dyn Fn(&str) -> Result<Vec<u32>, String>);
+        let next = migrate::continuation(self.job.endpoint, &self.body, &self.answer, encode)
+            .map_err(|e| format!("{why}; the answer cannot move to another worker: {e}"))?;
+        let Some(next) = next else {
+            return Ok(false);
+        };
+        self.moves += 1;
+        // The failed attempt's load goes; the client's place stays.
+        let place = self.guard.take().and_then(|mut g| g.place.take());
+        let sent = send(&self.server, &self.job, &Bytes::from(next), &mut self.tried)
+            .await
+            .map_err(|_| format!("{why}; no other worker took the rest of the answer"))?;
+        let Sent {
+            resp,
+            mut guard,
+            worker,
+        } = sent;
+        guard.place = place;
+        self.guard = Some(guard);
+        if !resp.status().is_success() {
+            return Err(format!(
+                "{why}; worker {} answered the rest with {}",
+                worker.spec.name,
+                resp.status()
+            ));
+        }
+        tracing::warn!(
+            "{why}: the answer moved to worker {} after {} tokens",
+            worker.spec.name,
+            self.answer.tokens
+        );
+        self.server
+            .counters
+            .migrations
+            .fetch_add(1, Ordering::Relaxed);
+        self.worker = worker;
+        self.upstream = BodyStream::new(resp.into_body());
+        self.prefilling = self.server.tracks_prefill;
+        self.events = Some(migrate::Events::default());
+        self.rewrite = Some(migrate::Rewrite::new(&self.answer));
+        Ok(true)
     }
-    out
 }
 
 /// How often a down worker's `/health` is asked whether it is back.

@@ -102,6 +102,13 @@ pub struct Counters {
     pub silent_feeds: AtomicU64,
     /// Circuit breakers opened.
     pub breaker_opened: AtomicU64,
+    /// Streamed answers moved to another worker after their worker failed mid-stream.
+    pub migrations: AtomicU64,
+    /// Mid-stream failures that could not move (limit reached, request not continuable, no
+    /// worker took it): the client's stream broke off.
+    pub migrations_failed: AtomicU64,
+    /// Session turns that went to another worker than the session's last one.
+    pub session_moves: AtomicU64,
     /// How long the start took to catch up with the event stream, milliseconds.
     pub catch_up_ms: AtomicU64,
     /// 1 when the start restored a snapshot.
@@ -221,6 +228,8 @@ impl Server {
             .temperature(cfg.router_temperature)
             .predicted_ttl(std::time::Duration::from_millis(cfg.predicted_ttl_ms))
             .tail_first_evictions(cfg.tail_first_evictions)
+            .session_affinity(cfg.session_affinity.0)
+            .session_ttl(std::time::Duration::from_secs_f64(cfg.session_ttl_s))
             .build()
             .map_err(setting)?;
         let text = match &cfg.router_tokenizer_path {
@@ -603,6 +612,9 @@ impl Server {
             ("kvrouter_retries_total", "Requests tried again on another worker after a failure before their first byte.", &c.retries),
             ("kvrouter_breaker_opened_total", "Circuit breakers opened (--breaker-failures failures within --breaker-window-s).", &c.breaker_opened),
             ("kvrouter_rejected_busy_total", "Requests answered 429 after waiting --queue-timeout-ms for a place under --max-concurrency.", &c.rejected_busy),
+            ("kvrouter_migrations_total", "Streamed answers moved to another worker after their worker failed mid-stream (--migration-limit).", &c.migrations),
+            ("kvrouter_migrations_failed_total", "Mid-stream failures that could not move to another worker: the client's stream broke off.", &c.migrations_failed),
+            ("kvrouter_session_moves_total", "Session turns routed to another worker than the session's last one (--session-affinity).", &c.session_moves),
         ] {
             counter(name, help, get(v));
         }
@@ -633,6 +645,11 @@ impl Server {
             out,
             "# HELP kvrouter_snapshot_restored 1 when the start restored a stored snapshot.\n# TYPE kvrouter_snapshot_restored gauge\nkvrouter_snapshot_restored {}",
             get(&c.restored)
+        );
+        let sessions = self.mirror().router.live_sessions();
+        let _ = writeln!(
+            out,
+            "# HELP kvrouter_sessions Sessions remembered (an x-session-id used within --session-ttl-s).\n# TYPE kvrouter_sessions gauge\nkvrouter_sessions {sessions}"
         );
         let _ = writeln!(
             out,

@@ -396,6 +396,8 @@ fn an_engine_killed_mid_stream_ends_the_response_and_releases_the_load() {
         !text.contains("[DONE]"),
         "the stream cannot have finished: {text}"
     );
+    // No other worker to continue the answer on.
+    assert_eq!(server.metric("kvrouter_migrations_failed_total"), 1.0);
     let w = &server.get_json("/v1/admin/workers")["workers"][0];
     assert_eq!(
         (w["in_flight"].as_u64(), w["state"].as_str()),

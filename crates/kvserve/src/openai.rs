@@ -119,6 +119,9 @@ pub struct Request {
     /// vLLM's `cache_salt`: keys the prompt's first block, so only requests with the same salt
     /// share cached blocks. Never empty.
     pub cache_salt: Option<String>,
+    /// vLLM's chat extension `continue_final_message`: the prompt ends inside the last
+    /// (assistant) message, which the answer continues, rather than with a new turn's opening.
+    pub continue_final_message: bool,
 }
 
 /// Why a request body was refused. Each names the field and what it accepts.
@@ -375,6 +378,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, RequestError> {
         ignore_eos: flag(&req, "ignore_eos")?,
         max_tokens,
         cache_salt,
+        continue_final_message: endpoint == Endpoint::Chat && flag(&req, "continue_final_message")?,
     })
 }
 
@@ -437,6 +441,10 @@ impl Request {
         }
         if let Some(s) = &self.cache_salt {
             m.insert("cache_salt".into(), Value::from(s.as_str()));
+        }
+        if self.continue_final_message {
+            m.insert("continue_final_message".into(), Value::Bool(true));
+            m.insert("add_generation_prompt".into(), Value::Bool(false));
         }
         Value::Object(m).to_string()
     }
@@ -557,6 +565,22 @@ mod tests {
         assert_eq!(m[1].parts, vec![]);
         assert_eq!(m[2].text(), "a\nb");
         assert_eq!(r.first_media_message(), Some(2));
+        assert!(!r.continue_final_message);
         assert_eq!(parse(Endpoint::Chat, r.to_json().as_bytes()), Ok(r));
+    }
+
+    #[test]
+    fn continue_final_message_is_a_chat_flag() {
+        let body = br#"{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}],
+            "continue_final_message": true, "add_generation_prompt": false}"#;
+        let r = parse(Endpoint::Chat, body).unwrap();
+        assert!(r.continue_final_message);
+        assert_eq!(parse(Endpoint::Chat, r.to_json().as_bytes()), Ok(r));
+        let wrong =
+            br#"{"messages": [{"role": "user", "content": "hi"}], "continue_final_message": 1}"#;
+        assert!(parse(Endpoint::Chat, wrong)
+            .unwrap_err()
+            .to_string()
+            .starts_with("continue_final_message: expected a boolean"));
     }
 }

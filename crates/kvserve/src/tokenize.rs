@@ -196,13 +196,22 @@ impl ChatTemplate {
 
     /// Renders `messages` (OpenAI's list) with `add_generation_prompt = true`.
     pub fn render(&self, messages: &Value) -> Result<String, Error> {
+        self.render_with(messages, true)
+    }
+
+    /// Renders `messages` with the template's `add_generation_prompt` set as given.
+    pub fn render_with(
+        &self,
+        messages: &Value,
+        add_generation_prompt: bool,
+    ) -> Result<String, Error> {
         let t = self
             .env
             .get_template("chat")
             .map_err(|e| Error::Template(e.to_string()))?;
         t.render(minijinja::context! {
             messages => messages,
-            add_generation_prompt => true,
+            add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos,
             eos_token => &self.eos,
         })
@@ -278,6 +287,46 @@ pub fn chat_text(template: &ChatTemplate, msgs: &[ChatMessage]) -> Result<String
     template
         .render(&template_messages(msgs))
         .map_err(|e| e.to_string())
+}
+
+/// The text of chat `messages` whose last message the answer continues (vLLM's
+/// `continue_final_message`): rendered without the generation prompt and cut right after the
+/// last message's content, so that whatever closes a turn is left out. An error when the last
+/// message is not an assistant's or has no text, or when the template does not render its
+/// content verbatim.
+///
+/// ```
+/// use kvserve::openai::{parse, Endpoint, Input};
+/// use kvserve::tokenize::{builtin, chat_text_continued};
+/// let (_, template) = builtin("builtin:bytes")?;
+/// let req = parse(Endpoint::Chat, br#"{"messages": [{"role": "user", "content": "Say hello"},
+///     {"role": "assistant", "content": "Hel"}], "continue_final_message": true}"#)?;
+/// let Input::Messages(msgs) = &req.input else { unreachable!() };
+/// let text = chat_text_continued(&template, msgs)?;
+/// assert!(text.ends_with("<|im_start|>assistant\nHel"), "{text}");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn chat_text_continued(
+    template: &ChatTemplate,
+    msgs: &[ChatMessage],
+) -> Result<String, String> {
+    let last = match msgs.last() {
+        Some(m) if m.role == "assistant" => m.text(),
+        _ => return Err("continue_final_message: the last message must be the assistant's".into()),
+    };
+    if last.is_empty() {
+        return Err("continue_final_message: the last message has no text to continue".into());
+    }
+    let text = template
+        .render_with(&template_messages(msgs), false)
+        .map_err(|e| e.to_string())?;
+    match text.rfind(&last) {
+        Some(at) => Ok(text[..at + last.len()].to_string()),
+        None => Err(
+            "continue_final_message: the chat template does not render the last message's text as it is"
+                .into(),
+        ),
+    }
 }
 
 /// Where a multimodal chat prompt stops being text the router can reproduce: the rendered

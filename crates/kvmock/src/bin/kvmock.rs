@@ -36,6 +36,11 @@ struct Cli {
     /// milliseconds (a stalled engine).
     #[arg(long, default_value_t = 0, value_name = "MS")]
     fault_stall_ms: u64,
+    /// Fault injection: the process exits (status 3, as a crashed engine) once it has streamed
+    /// this many tokens in all, right after sending the last one: its streams end mid-answer,
+    /// without [DONE] (0: never).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    fault_die_after_tokens: u64,
     /// Address to listen on.
     #[arg(long, default_value = "0.0.0.0", value_name = "HOST")]
     host: String,
@@ -231,6 +236,7 @@ async fn serve(cli: Cli, s: Setup) -> Result<(), MockError> {
         faults: kvmock::server::Faults {
             error_rate: cli.fault_error_rate,
             stall_ms: cli.fault_stall_ms,
+            die_after_tokens: cli.fault_die_after_tokens,
         },
     };
     let addr = format!("{}:{}", cli.host, cli.port);
