@@ -411,3 +411,69 @@ fn sessions_stay_on_their_worker_until_it_drains_then_move_once() {
     );
     assert_eq!(router.metric("kvrouter_sessions"), 20.0);
 }
+
+#[test]
+fn hard_sessions_never_move_and_get_503_while_their_worker_is_out() {
+    let engines: Vec<Engine> = (0..2).map(|_| Engine::start()).collect();
+    let refs: Vec<&Engine> = engines.iter().collect();
+    let router = Kvrouter::start(&refs, &["--session-affinity", "hard"]);
+    let turn = |session: &str| {
+        let body = json!({"prompt": [1, 2, 3, 4, 5], "max_tokens": 2}).to_string();
+        request(
+            router.port,
+            "POST",
+            "/v1/completions",
+            &format!("x-session-id: {session}\r\n"),
+            &body,
+        )
+    };
+    let home = turn("a").header("x-kvkit-worker").unwrap().to_string();
+    for _ in 0..4 {
+        assert_eq!(turn("a").header("x-kvkit-worker"), Some(home.as_str()));
+    }
+    let (status, body) = router.post(&format!("/v1/admin/workers/{home}/drain"), "");
+    assert_eq!(status, 202, "{body}");
+    let r = turn("a");
+    assert_eq!(r.status, 503, "{}", r.body);
+    let v: Value = serde_json::from_str(&r.body).unwrap();
+    assert_eq!(v["error"]["type"], "ServiceUnavailableError");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("hard"),
+        "{v}"
+    );
+    // Another session goes to the worker left.
+    let other = turn("b");
+    assert_eq!(other.status, 200);
+    assert_ne!(other.header("x-kvkit-worker"), Some(home.as_str()));
+    assert_eq!(router.metric("kvrouter_session_moves_total"), 0.0);
+}
+
+#[test]
+fn with_affinity_off_the_session_header_changes_nothing() {
+    let engines: Vec<Engine> = (0..2).map(|_| Engine::start()).collect();
+    let refs: Vec<&Engine> = engines.iter().collect();
+    let router = Kvrouter::start(
+        &refs,
+        &[
+            "--session-affinity",
+            "off",
+            "--router-policy",
+            "round-robin",
+        ],
+    );
+    let workers: Vec<String> = (0..4)
+        .map(|_| {
+            let body = json!({"prompt": [1, 2, 3], "max_tokens": 1}).to_string();
+            let r = request(
+                router.port,
+                "POST",
+                "/v1/completions",
+                "x-session-id: s\r\n",
+                &body,
+            );
+            r.header("x-kvkit-worker").unwrap().to_string()
+        })
+        .collect();
+    assert_ne!(workers[0], workers[1], "{workers:?}");
+    assert_eq!(router.metric("kvrouter_sessions"), 0.0);
+}

@@ -410,3 +410,46 @@ fn a_batch_stored_twice_is_dropped() {
     assert_eq!(s.metric("kvrouter_kv_restarts_total"), 0.0);
     wait_agree(&zmq, &[&s]);
 }
+
+#[test]
+#[ignore = "needs nats-server (Debian package nats-server; .ci/run installs it)"]
+fn replicas_share_sessions() {
+    let nats = Nats::start();
+    let engines: Vec<Engine> = (0..3).map(|_| engine()).collect();
+    let refs: Vec<&Engine> = engines.iter().collect();
+    // Round robin: without the shared session, b's turns would go round the engines.
+    let url = nats.url();
+    let flags = |id| {
+        [
+            "--router-replica-sync",
+            "--replica-id",
+            id,
+            "--router-policy",
+            "round-robin",
+            "--nats-url",
+            &url,
+        ]
+    };
+    let a = Kvrouter::start(&refs, &flags("1"));
+    let b = Kvrouter::start(&refs, &flags("2"));
+    let turn = |k: &Kvrouter| {
+        let body = r#"{"prompt": [1, 2, 3, 4], "max_tokens": 2}"#;
+        let r = kvtest::net::request(
+            k.port,
+            "POST",
+            "/v1/completions",
+            "x-session-id: agent-7\r\n",
+            body,
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.header("x-kvkit-worker").unwrap().to_string()
+    };
+    let home = turn(&a);
+    wait_until("b knows the session", || {
+        b.metric("kvrouter_sessions") == 1.0
+    });
+    for _ in 0..4 {
+        assert_eq!(turn(&b), home);
+    }
+    assert_eq!(turn(&a), home);
+}

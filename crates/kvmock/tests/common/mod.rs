@@ -61,6 +61,11 @@ impl Mock {
             .unwrap_or_else(|| panic!("metric {name} missing from:\n{text}"))
     }
 
+    /// The process.
+    pub fn child_mut(&mut self) -> &mut std::process::Child {
+        &mut self.child.0
+    }
+
     /// Kills the process now.
     pub fn stop(&mut self) {
         let _ = self.child.0.kill();
