@@ -692,7 +692,7 @@ impl Relay {
             out.headers_mut()
                 .insert(header::CONTENT_LENGTH, len.clone());
         }
-        // Which worker served it (the first, when the answer moved: the headers were sent).
+        // Which worker served it (when the answer moves, an SSE comment names the next one).
         if let Some(v) = served {
             out.headers_mut().insert("x-kvkit-worker", v);
         }
@@ -748,7 +748,7 @@ impl Relay {
                 return Some(Ok(Bytes::from_static(b"data: [DONE]\n\n")));
             }
             match self.continue_elsewhere(&why).await {
-                Ok(true) => continue,
+                Ok(true) => return Some(Ok(self.moved_note())),
                 Ok(false) => {
                     self.ended = true;
                     return Some(Ok(Bytes::from_static(b"data: [DONE]\n\n")));
@@ -838,6 +838,12 @@ impl Relay {
         self.events = Some(migrate::Events::default());
         self.rewrite = Some(migrate::Rewrite::new(&self.answer));
         Ok(true)
+    }
+
+    /// An SSE comment naming the worker the answer moved to (the response's headers, with
+    /// `x-kvkit-worker`, are gone): clients skip comments.
+    fn moved_note(&self) -> Bytes {
+        Bytes::from(format!(": x-kvkit-worker {}\n\n", self.worker.spec.name))
     }
 }
 

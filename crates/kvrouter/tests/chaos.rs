@@ -160,7 +160,13 @@ fn two_hundred_streams_survive_an_engine_killed_mid_stream() {
     let router = Kvrouter::start(&[&a, &b, &c], &["--router-tokenizer-path", "builtin:bytes"]);
     let port = router.port;
     let clients: Vec<_> = (0..200)
-        .map(|i| std::thread::spawn(move || post_stream(port, i, 48)))
+        .map(|i| {
+            std::thread::spawn(move || {
+                let (path, body, chat) = streamed(i, 48);
+                let r = request(port, "POST", path, "", &body);
+                check_stream(&r, 48, chat).map(|()| r.body)
+            })
+        })
         .collect();
     // Mid-stream: ten of its answers have begun.
     eventually("engine a is streaming", Duration::from_secs(30), || {
@@ -168,17 +174,29 @@ fn two_hundred_streams_survive_an_engine_killed_mid_stream() {
     });
     let _ = a.proc.0.kill();
     let _ = a.proc.0.wait();
-    let errors: Vec<String> = clients
-        .into_iter()
-        .filter_map(|c| c.join().unwrap().err())
-        .collect();
+    let results: Vec<Result<String, String>> =
+        clients.into_iter().map(|c| c.join().unwrap()).collect();
+    let errors: Vec<&String> = results.iter().filter_map(|r| r.as_ref().err()).collect();
+    let replies: Vec<&String> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
     assert!(
         errors.is_empty(),
         "{} clients saw errors: {errors:#?}",
         errors.len()
     );
-    assert!(router.metric("kvrouter_migrations_total") >= 1.0);
+    let moved = router.metric("kvrouter_migrations_total");
+    assert!(moved >= 1.0);
     assert_eq!(router.metric("kvrouter_migrations_failed_total"), 0.0);
+    // Each moved answer named its new worker in an SSE comment, never engine a.
+    let notes: Vec<String> = replies
+        .iter()
+        .flat_map(|b| {
+            b.lines()
+                .filter_map(|l| l.strip_prefix(": x-kvkit-worker "))
+                .map(str::to_string)
+        })
+        .collect();
+    assert_eq!(notes.len() as f64, moved);
+    assert!(!notes.contains(&a.name()), "{notes:?}");
 }
 
 #[test]
