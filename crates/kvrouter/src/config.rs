@@ -115,7 +115,7 @@ pub struct Config {
     /// first byte reached the client (0: never). The request is sent again with the prompt
     /// extended by the answer so far and max_tokens reduced (chat: vLLM's
     /// continue_final_message), and the client's stream goes on: same id, no token lost or
-    /// repeated, one finish_reason, one [DONE], usage summed. Not for n > 1, echo, or a
+    /// repeated, one finish_reason, one final DONE, usage summed. Not for n > 1, echo, or a
     /// token-id prompt without --router-tokenizer-path.
     #[arg(long, default_value_t = 1, value_name = "N")]
     pub migration_limit: usize,
