@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use kvblock::BlockSize;
 use kvsim::{
-    CostModel, KvAllocation, LinearTiming, PdLink, Policy, SimConfig, Slo, TimingKind, Trace,
-    VllmLog,
+    CostModel, KvAllocation, LinearTiming, PdLink, Policy, SessionAffinity, SimConfig, Slo,
+    TimingKind, Trace, VllmLog,
 };
 
 /// Simulate a fleet of LLM engine replicas behind a KV-cache-aware router.
@@ -190,6 +190,18 @@ pub(crate) struct RunArgs {
     /// (arrival times and trace timestamps ignored; sessions keep their order).
     #[arg(long, value_name = "N", help_heading = "Sessions and closed loops")]
     concurrency: Option<usize>,
+    /// How the routers treat a session's turns (--sessions, or a trace's session_id), as
+    /// kvrouter's flag of the same name does with x-session-id: soft sends a turn to the
+    /// instance of its session's last turn unless that one is busy (--busy-threshold), then
+    /// moves the session; hard never moves it; off routes every turn on its own. Off by
+    /// default here, soft in kvrouter: a run without the flag routes as it always did.
+    /// Simulated instances never go down, so hard differs from soft only on busy ones.
+    #[arg(long, value_parser = parse_session_affinity, value_name = "MODE", help_heading = "Sessions and closed loops")]
+    session_affinity: Option<SessionAffinity>,
+    /// With --session-affinity: how long a router remembers a session after its last turn,
+    /// seconds of simulated time (0 remembers none).
+    #[arg(long, value_name = "S", help_heading = "Sessions and closed loops")]
+    session_ttl_s: Option<f64>,
 
     /// Replay measured requests (their arrival times, prompt and output lengths): vLLM's
     /// OpenTelemetry request spans as a collector's file exporter writes them (one OTLP/JSON
@@ -419,6 +431,7 @@ const EXAMPLES: &str = "Examples:
   kvsim --trace conversation.jsonl --des-instances 8 --des-kv-blocks 900
   kvsim --des-prefill-instances 4 --des-decode-instances 4 --kv-prefill-overlap-weight 20
   kvsim trace-stats conversation.jsonl
+  kvsim --sessions 400 --turns 6 --think-ms 3000 --session-affinity soft
   kvsim sweep --param des-overlap-weight=0,0.5,1,2,4 --plot sweep.svg
   kvsim capacity --slo-ttft-ms 2000 --slo-itl-ms 50 --attainment 0.99 --des-num-requests 2000
   kvsim calibrate --steps steps.csv               fit --timing-* to measured step times
@@ -482,6 +495,8 @@ pub(crate) const FLAGS: &[(&str, &str)] = &[
     ("turns", "--turns"),
     ("think_us", "--think-ms"),
     ("concurrency", "--concurrency"),
+    ("session_affinity", "--session-affinity"),
+    ("session_ttl_us", "--session-ttl-s"),
     ("slo.ttft_ms", "--slo-ttft-ms"),
     ("slo.itl_ms", "--slo-itl-ms"),
     ("slo.e2e_ms", "--slo-e2e-ms"),
@@ -556,6 +571,8 @@ fn defaults() -> Vec<(&'static str, String)> {
         ("output_len", d.output_len.to_string()),
         ("turns", d.turns.to_string()),
         ("think_ms", (d.think_us as f64 / 1000.0).to_string()),
+        ("session_affinity", d.session_affinity.to_string()),
+        ("session_ttl_s", (d.session_ttl_us as f64 / 1e6).to_string()),
         ("trace_speedup", d.trace_speedup.to_string()),
         ("trace_timing", d.trace_timing.to_string()),
         (
@@ -683,6 +700,10 @@ fn parse_busy(s: &str) -> Result<Busy, String> {
     Ok(busy)
 }
 
+fn parse_session_affinity(s: &str) -> Result<SessionAffinity, String> {
+    s.parse::<SessionAffinity>().map_err(|e| e.to_string())
+}
+
 fn parse_pd_link(s: &str) -> Result<PdLink, String> {
     s.parse().map_err(expected)
 }
@@ -759,6 +780,15 @@ impl RunArgs {
             cfg.concurrency = self.concurrency;
         }
         set(&mut cfg.turns, &self.turns);
+        set(&mut cfg.session_affinity, &self.session_affinity);
+        if let Some(s) = self.session_ttl_s {
+            if !(s.is_finite() && (0.0..=1e9).contains(&s)) {
+                return Err(format!(
+                    "invalid --session-ttl-s {s}: expected a number of seconds from 0 to 1e9"
+                ));
+            }
+            cfg.session_ttl_us = (s * 1e6).round() as u64;
+        }
         self.workload.apply_settings(&mut cfg);
         set(&mut cfg.instances, &self.des_instances);
         if self.des_prefill_instances.is_some() {

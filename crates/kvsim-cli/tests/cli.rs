@@ -15,6 +15,28 @@ fn kvsim(args: &[&str]) -> (i32, String, String) {
     )
 }
 
+/// `kvsim` with `base` then `extra`, which must succeed: what it printed.
+fn kvsim_ok(base: &[&str], extra: &[&str]) -> String {
+    let args: Vec<&str> = base.iter().chain(extra).copied().collect();
+    let (code, out, err) = kvsim(&args);
+    assert_eq!(code, 0, "{args:?}: {err}");
+    out
+}
+
+/// 40 synthetic chats of 3 turns.
+const CHATS: &[&str] = &[
+    "--sessions",
+    "40",
+    "--turns",
+    "3",
+    "--think-ms",
+    "500",
+    "--request-rate",
+    "4",
+    "--des-block-size",
+    "64",
+];
+
 const DOC: &[&str] = &[
     "--request-rate",
     "6",
@@ -66,12 +88,7 @@ fn routing_model_options_off_are_byte_identical() {
         "--des-kv-blocks",
         "3000",
     ];
-    let with = |extra: &[&str]| {
-        let args: Vec<&str> = base.iter().chain(extra).copied().collect();
-        let (code, out, err) = kvsim(&args);
-        assert_eq!(code, 0, "{args:?}: {err}");
-        out
-    };
+    let with = |extra: &[&str]| kvsim_ok(&base, extra);
     let plain = with(&[]);
     for off in [
         &["--cost-model", "seed"][..],
@@ -159,6 +176,15 @@ fn bad_flags_exit_2_with_one_line_naming_the_flag() {
         (&["--pd-link", "fair"][..], "per-transfer or shared"),
         (&["--think-ms", "-5", "--sessions", "3"][..], "--think-ms"),
         (&["--turns", "3"][..], "--turns"),
+        (&["--session-affinity", "soft"][..], "--session-affinity"),
+        (
+            &["--session-affinity", "sticky", "--sessions", "3"][..],
+            "off, soft or hard",
+        ),
+        (
+            &["--session-ttl-s", "-1", "--sessions", "3"][..],
+            "--session-ttl-s",
+        ),
         (&["--slo-itl-ms", "abc"][..], "--slo-itl-ms"),
         (&["--no-such-flag"][..], "--no-such-flag"),
     ] {
@@ -479,19 +505,7 @@ fn incremental_allocation_counts_preemptions() {
 
 #[test]
 fn sessions_report_per_turn_hits_and_concurrency_runs() {
-    let (code, out, err) = kvsim(&[
-        "--sessions",
-        "40",
-        "--turns",
-        "3",
-        "--think-ms",
-        "500",
-        "--request-rate",
-        "4",
-        "--des-block-size",
-        "64",
-    ]);
-    assert_eq!(code, 0, "{err}");
+    let out = kvsim_ok(CHATS, &[]);
     assert!(out.starts_with("  Fleet: 4 instance(s), routing=kv | 40 sessions x 3 turns, think 500 ms, prefix pool: 8 prefixes\n"), "{out}");
     assert!(out.contains("  Requests: 120 completed"), "{out}");
     let line = out
@@ -518,6 +532,63 @@ fn sessions_report_per_turn_hits_and_concurrency_runs() {
         .unwrap()
         .ends_with(", closed loop at concurrency 4"));
     assert!(v.get("turns").is_none());
+}
+
+/// --session-affinity off is the run without it; soft and hard add one line (and a JSON part)
+/// and keep every later turn on its session's instance; a sweep takes the flag.
+#[test]
+fn session_affinity_adds_one_line_and_sweeps() {
+    let with = |extra: &[&str]| kvsim_ok(CHATS, extra);
+    let plain = with(&[]);
+    assert_eq!(
+        with(&["--session-affinity", "off", "--session-ttl-s", "5"]),
+        plain
+    );
+    let soft = with(&["--session-affinity", "soft"]);
+    let extra: Vec<&str> = soft.lines().filter(|l| !plain.contains(*l)).collect();
+    let line = soft
+        .lines()
+        .find(|l| l.starts_with("  Sessions: "))
+        .expect(&soft);
+    assert_eq!(
+        line,
+        "  Sessions: soft affinity, TTL 600 s | later turns: 80 kept on their session's instance (100.0%), 0 moved (busy), 0 new (TTL lapsed or unknown to the router)"
+    );
+    assert!(extra.contains(&line), "{extra:?}");
+    assert_eq!(
+        with(&["--session-affinity", "soft"]),
+        soft,
+        "same flags, same bytes"
+    );
+    let json = with(&[
+        "--session-affinity",
+        "hard",
+        "--session-ttl-s",
+        "0.1",
+        "--format",
+        "json",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["sessions"]["affinity"], "hard");
+    assert_eq!(v["sessions"]["ttl_s"], 0.1);
+    assert_eq!(v["sessions"]["new"], 80);
+    let plain_json = with(&["--format", "json"]);
+    assert!(!plain_json.contains("\"sessions\""));
+    let sweep = [
+        "sweep",
+        "--param",
+        "session-affinity=off,soft",
+        "--jobs",
+        "1",
+    ];
+    let out = kvsim_ok(&sweep, CHATS);
+    assert_eq!(
+        out.lines()
+            .filter(|l| l.contains("off") || l.contains("soft"))
+            .count(),
+        2,
+        "{out}"
+    );
 }
 
 #[test]

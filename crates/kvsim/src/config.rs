@@ -6,7 +6,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use kvblock::BlockSize;
-use kvroute::{CostModel, Policy};
+use kvroute::{CostModel, Policy, SessionAffinity};
 
 use crate::engine::{KvAllocation, Scheduler};
 use crate::error::Error;
@@ -347,6 +347,16 @@ pub struct SimConfig {
     /// a new one sent as soon as one finishes (or is rejected), arrival times and trace
     /// timestamps ignored; sessions keep their turn order and think times.
     pub concurrency: Option<usize>,
+    /// How the routers keep a session's turns together (`--session-affinity`): with `Soft` or
+    /// `Hard`, every turn of a synthetic session or of a trace's `session_id` is routed with
+    /// [`kvroute::Router::route_in_session`]. `Off` by default, unlike kvrouter's `soft`, so
+    /// that a run without the flag routes exactly as before it existed. Simulated engines
+    /// never go down, so `Hard` differs from `Soft` only in never moving a session off a busy
+    /// engine (`--busy-threshold`).
+    pub session_affinity: SessionAffinity,
+    /// How long a router remembers a session after its last turn, µs of simulated time
+    /// (`--session-ttl-s` × 1,000,000; 0 remembers none).
+    pub session_ttl_us: u64,
     /// Latency targets; when any is set the report adds their attainment and the goodput
     /// (`--slo-ttft-ms`, `--slo-itl-ms`, `--slo-e2e-ms`).
     pub slo: Slo,
@@ -408,6 +418,8 @@ impl Default for SimConfig {
             turns: 1,
             think_us: 0,
             concurrency: None,
+            session_affinity: SessionAffinity::Off,
+            session_ttl_us: 600_000_000,
         }
     }
 }
@@ -475,9 +487,17 @@ impl SimConfig {
     /// Whether requests are sent in a closed loop (sessions, a trace with `session_id`s, or a
     /// fixed concurrency) rather than at their arrival times.
     pub fn closed_loop(&self) -> bool {
-        self.sessions.is_some()
-            || self.concurrency.is_some()
-            || self.trace.as_ref().is_some_and(|t| t.has_sessions())
+        self.has_sessions() || self.concurrency.is_some()
+    }
+
+    /// Whether the run has sessions: synthetic ones, or a trace with `session_id`s.
+    pub fn has_sessions(&self) -> bool {
+        self.sessions.is_some() || self.trace.as_ref().is_some_and(|t| t.has_sessions())
+    }
+
+    /// Whether the routers route sessions' turns to their session's engine.
+    pub(crate) fn session_routing(&self) -> bool {
+        self.session_affinity != SessionAffinity::Off
     }
 
     /// Whether prefill and decode run on separate pools.
@@ -732,6 +752,13 @@ impl SimConfig {
         }
         if let Some(n) = self.concurrency {
             at_least_one("concurrency", n)?;
+        }
+        if self.session_routing() && !self.has_sessions() {
+            return Err(Error::invalid(
+                "session_affinity",
+                self.session_affinity,
+                "off without sessions (sessions set, or a trace with session_id): no request has a session to keep",
+            ));
         }
         Ok(())
     }

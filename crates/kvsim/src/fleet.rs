@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use kvblock::BlockHash;
 use kvcache::{KvEvent, Tier, WorkerId};
-use kvroute::{LoadDelta, RequestId, Role, Router};
+use kvroute::{LoadDelta, RequestId, Role, Router, SessionId};
 
 use crate::config::{DpRouting, SimConfig};
 use crate::engine::{Engine, EngineConfig, Pool};
@@ -25,9 +25,26 @@ fn exact_runs(index: &kvcache::CacheIndex, blocks: &[BlockHash]) {
     }
 }
 
+/// Where a turn of a session went, against the worker its router knew for the session (with
+/// session affinity on).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Stay {
+    /// No session, or session affinity off.
+    Alone,
+    /// The router knew no worker for the session: its first turn, a lapsed TTL, or a session
+    /// another replica routed and did not share.
+    New,
+    /// To the session's worker.
+    Kept,
+    /// Elsewhere (soft affinity, the session's worker busy): the session moved.
+    Moved,
+}
+
 /// Router replicas of one pool; engine events go to all of them.
 pub(crate) struct Routers {
     pub(crate) replicas: Vec<Router>,
+    /// Whether turns of a session are routed in it (session affinity on).
+    sessions: bool,
     /// With router sync: when finished remote requests were last forgotten.
     last_expiry: std::time::Duration,
     next: usize,
@@ -71,6 +88,8 @@ impl Routers {
                     .cost_model(cfg.cost_model)
                     .temperature(cfg.router_temperature)
                     .predicted_ttl(std::time::Duration::from_micros(cfg.predicted_ttl_us))
+                    .session_affinity(cfg.session_affinity)
+                    .session_ttl(std::time::Duration::from_micros(cfg.session_ttl_us))
                     .build()?;
                 for w in workers.clone() {
                     router.add_worker(WorkerId::new(w as u64));
@@ -80,28 +99,44 @@ impl Routers {
             .collect::<Result<Vec<_>, Error>>()?;
         Ok(Routers {
             replicas,
+            sessions: cfg.session_routing(),
             last_expiry: std::time::Duration::ZERO,
             next: 0,
             role,
         })
     }
 
-    /// Routes with the next replica in turn, at simulated time `now_us`; returns (replica,
-    /// engine).
+    /// Routes with the next replica in turn, at simulated time `now_us`, in `session` when
+    /// there is one and session affinity is on; returns (replica, engine, where the session
+    /// went).
     pub(crate) fn route(
         &mut self,
         id: usize,
         blocks: &[BlockHash],
         now_us: u64,
-    ) -> Result<(usize, usize), kvroute::Error> {
+        session: Option<u64>,
+    ) -> Result<(usize, usize, Stay), kvroute::Error> {
         let r = self.next;
         self.next = (self.next + 1) % self.replicas.len();
         let router = &mut self.replicas[r];
         router.set_clock(std::time::Duration::from_micros(now_us));
         #[cfg(test)]
         exact_runs(router.index(), blocks);
-        let d = router.route(RequestId::new(id as u64), blocks, self.role)?;
-        Ok((r, d.worker.get() as usize))
+        let id = RequestId::new(id as u64);
+        let (d, stay) = match session.filter(|_| self.sessions).map(SessionId::new) {
+            None => (router.route(id, blocks, self.role)?, Stay::Alone),
+            Some(s) => {
+                let before = router.session_worker(s);
+                let d = router.route_in_session(s, id, blocks, self.role)?;
+                let stay = match before {
+                    None => Stay::New,
+                    Some(w) if w == d.worker => Stay::Kept,
+                    Some(_) => Stay::Moved,
+                };
+                (d, stay)
+            }
+        };
+        Ok((r, d.worker.get() as usize, stay))
     }
 
     /// The load deltas replica `replica` queued since the last call.
@@ -237,21 +272,23 @@ impl Fleet {
         })
     }
 
-    /// Routes request `id` in the unified or prefill pool at `now_us`; returns (replica, engine).
-    /// Routed by engine, the chosen engine's next rank takes it.
+    /// Routes request `id` (of `session`, if any) in the unified or prefill pool at `now_us`;
+    /// returns (replica, engine, where the session went). Routed by engine, the chosen
+    /// engine's next rank takes it.
     pub(crate) fn route(
         &mut self,
         id: usize,
         blocks: &[BlockHash],
         now_us: u64,
-    ) -> Result<(usize, usize), kvroute::Error> {
-        let (replica, w) = self.routers.route(id, blocks, now_us)?;
+        session: Option<u64>,
+    ) -> Result<(usize, usize, Stay), kvroute::Error> {
+        let (replica, w, stay) = self.routers.route(id, blocks, now_us, session)?;
         if self.rank_workers {
-            return Ok((replica, w));
+            return Ok((replica, w, stay));
         }
         let rank = self.next_rank[w];
         self.next_rank[w] = (rank + 1) % self.dp_ranks;
-        Ok((replica, w * self.dp_ranks + rank))
+        Ok((replica, w * self.dp_ranks + rank, stay))
     }
 
     /// The router worker whose mirror engine `e`'s events feed: `e`, or its instance when the

@@ -84,11 +84,11 @@ pub use fidelity::{
     compare_phases, fit_spans, phases_by_count, phases_by_window, FidelityError, PhaseComparison,
     PhaseFigures, SpanFit, SpanFitOptions,
 };
-pub use kvroute::{CostModel, Policy};
+pub use kvroute::{CostModel, Policy, SessionAffinity};
 pub use records::MeasuredRequest;
 pub use report::{
-    InstanceReport, PdReport, PoolReport, Report, TierReport, TurnReport, TurnsReport,
-    HOT_SPOT_THRESHOLD,
+    InstanceReport, PdReport, PoolReport, Report, SessionsReport, TierReport, TurnReport,
+    TurnsReport, HOT_SPOT_THRESHOLD,
 };
 pub use requests::{measured_report, workload_requests, PromptContent, WorkloadRequest};
 pub use sim::Simulation;

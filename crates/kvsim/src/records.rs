@@ -123,6 +123,15 @@ pub(crate) struct EngineRecord {
     pub(crate) recomputed_tokens: u64,
 }
 
+/// How the later turns of sessions were routed, with session affinity on: to the engine their
+/// router knew for the session, elsewhere, or with no engine known.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct SessionCounts {
+    pub(crate) kept: usize,
+    pub(crate) moved: usize,
+    pub(crate) new: usize,
+}
+
 /// Everything a finished run hands the report.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Records {
@@ -132,4 +141,6 @@ pub(crate) struct Records {
     pub(crate) itl: Vec<(u64, u64)>,
     pub(crate) router_errors: u64,
     pub(crate) inconsistent_inserts: u64,
+    /// With session affinity on: how later turns were routed.
+    pub(crate) sessions: Option<SessionCounts>,
 }

@@ -9,7 +9,7 @@ use kvroute::Policy;
 use crate::config::SimConfig;
 use crate::engine::KvAllocation;
 use crate::engine::Pool;
-use crate::records::{Records, RequestRecord};
+use crate::records::{Records, RequestRecord, SessionCounts};
 use crate::slo::SloReport;
 use crate::stats::{ratio, Summary};
 
@@ -166,6 +166,54 @@ impl TurnsReport {
     }
 }
 
+/// How the routers kept sessions together (with session affinity on): where each later turn
+/// of a session went, against the engine its router knew for the session. Counted when the
+/// turn was routed, so rejected requests count too.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct SessionsReport {
+    /// `soft` or `hard`.
+    pub affinity: String,
+    /// How long a router remembers a session after its last turn (s).
+    pub ttl_s: f64,
+    /// Later turns (turn 2 on) routed.
+    pub later_turns: usize,
+    /// Of those, routed to the engine of their session.
+    pub kept: usize,
+    /// Routed elsewhere: the session's engine was busy (soft affinity), and the session moved.
+    pub moved: usize,
+    /// Routed as new sessions: their router knew no engine for the session (its TTL lapsed, or
+    /// another router replica routed the previous turn and did not share it).
+    pub new: usize,
+}
+
+impl SessionsReport {
+    fn build(cfg: &SimConfig, c: SessionCounts) -> Self {
+        SessionsReport {
+            affinity: cfg.session_affinity.to_string(),
+            ttl_s: cfg.session_ttl_us as f64 / 1e6,
+            later_turns: c.kept + c.moved + c.new,
+            kept: c.kept,
+            moved: c.moved,
+            new: c.new,
+        }
+    }
+
+    fn to_text(&self) -> String {
+        let share = |n: usize| 100.0 * ratio(n as f64, self.later_turns as f64);
+        format!(
+            "  Sessions: {} affinity, TTL {} s | later turns: {} kept on their session's instance ({:.1}%), \
+             {} moved (busy), {} new (TTL lapsed or unknown to the router)\n",
+            self.affinity,
+            self.ttl_s,
+            self.kept,
+            share(self.kept),
+            self.moved,
+            self.new
+        )
+    }
+}
+
 /// The result of a run. The text form ([`to_text`](Self::to_text)) starts with the source
 /// document's three lines; the JSON form ([`to_json`](Self::to_json)) has every field below
 /// under the same name, with times in the unit its name ends with.
@@ -244,6 +292,9 @@ pub struct Report {
     /// absent otherwise.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub turns: Option<TurnsReport>,
+    /// With session affinity on: how sessions' later turns were routed; absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sessions: Option<SessionsReport>,
     /// Hits per tier (absent without a host tier).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tiers: Option<TierReport>,
@@ -371,7 +422,7 @@ impl Report {
         let mut itl = c.itl;
         let incremental = cfg.kv_allocation == KvAllocation::Incremental
             || cfg.scheduler == crate::engine::Scheduler::Vllm;
-        let turns = cfg.sessions.is_some() || cfg.trace.as_ref().is_some_and(|t| t.has_sessions());
+        let turns = cfg.has_sessions();
         let slo = cfg
             .slo
             .is_set()
@@ -410,6 +461,7 @@ impl Report {
             recomputed_tokens: incremental
                 .then(|| c.engines.iter().map(|e| e.recomputed_tokens).sum()),
             turns: turns.then(|| TurnsReport::build(&done, bs)),
+            sessions: c.sessions.map(|s| SessionsReport::build(cfg, s)),
             tiers,
             dp_ranks: (cfg.dp_ranks > 1).then_some(cfg.dp_ranks),
             dp_routing: (cfg.dp_ranks > 1).then(|| cfg.dp_routing.to_string()),
@@ -527,6 +579,9 @@ impl Report {
             s.push_str(&slo.to_text());
         }
         if let Some(t) = &self.turns {
+            s.push_str(&t.to_text());
+        }
+        if let Some(t) = &self.sessions {
             s.push_str(&t.to_text());
         }
         if let (Some(p), Some(t)) = (self.preemptions, self.recomputed_tokens) {

@@ -179,6 +179,7 @@ pub fn measured_report(
         itl: itl_us.iter().map(|&g| (g, 1)).collect(),
         router_errors: 0,
         inconsistent_inserts: 0,
+        sessions: None,
     };
     let cfg = SimConfig {
         instances: 1,

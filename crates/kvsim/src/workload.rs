@@ -290,6 +290,9 @@ pub(crate) struct Turn {
     pub(crate) think_us: u64,
     /// Its turn in its session, from 1.
     pub(crate) turn: u32,
+    /// Its session (a synthetic session's number, a trace's `session_id` in order of first
+    /// appearance); `None` for a request of its own.
+    pub(crate) session: Option<u64>,
 }
 
 /// The requests of a closed-loop run in order (sessions' turns after one another), or `None`
@@ -325,6 +328,7 @@ pub(crate) fn closed_plan(cfg: &SimConfig) -> Option<Vec<Turn>> {
                     prev,
                     think_us: r.think_us,
                     turn,
+                    session: r.session.map(|k| k as u64),
                 });
             }
             plan
@@ -337,6 +341,7 @@ pub(crate) fn closed_plan(cfg: &SimConfig) -> Option<Vec<Turn>> {
                     prev: None,
                     think_us: 0,
                     turn: 1,
+                    session: None,
                 })
                 .collect()
         }
@@ -392,6 +397,7 @@ fn synthetic_sessions(cfg: &SimConfig, n: usize) -> Vec<Turn> {
                 prev: (turn > 1).then(|| plan.len() - 1),
                 think_us: if turn > 1 { cfg.think_us } else { 0 },
                 turn: turn as u32,
+                session: Some(s),
             });
         }
     }

@@ -84,8 +84,9 @@ impl Run<'_> {
         };
         let t = &mut c.turns[j];
         let (spec, turn) = (std::mem::replace(&mut t.spec, RequestSpec::empty()), t.turn);
+        let session = t.session;
         c.turn_of.push(j);
-        self.send(spec, turn);
+        self.send(spec, turn, session);
     }
 
     /// Closed loop: request `id` is over (finished or rejected): its session's next turn

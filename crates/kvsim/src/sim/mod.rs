@@ -11,8 +11,8 @@ use crate::config::{PdLink, SimConfig};
 use crate::engine::{Engine, EngineRequest, Outcome, PlannedStep, Pool};
 use crate::engine_loop::EngineLoop;
 use crate::error::Error;
-use crate::fleet::{Fleet, Routers};
-use crate::records::{EngineRecord, MeasuredRequest, Records, RequestRecord};
+use crate::fleet::{Fleet, Routers, Stay};
+use crate::records::{EngineRecord, MeasuredRequest, Records, RequestRecord, SessionCounts};
 use crate::report::Report;
 use crate::timing::{TimingKind, TimingModel};
 use crate::workload::{closed_plan, RequestSpec, Turn, Workload};
@@ -215,6 +215,8 @@ struct Req {
     decode_router: usize,
     /// Its prompt blocks while its KV travels to the decode engine.
     in_transit: Vec<BlockHash>,
+    /// Its session, if any.
+    session: Option<u64>,
 }
 
 /// ITL samples by weight: tokens produced by decoding requests, per step duration.
@@ -262,6 +264,8 @@ struct Run<'a> {
     reqs: Vec<Req>,
     itl: ItlHistogram,
     router_errors: u64,
+    /// With session affinity on: how later turns were routed.
+    sessions: SessionCounts,
     outcomes: Vec<Outcome>,
     /// Engine events on their way to the routers without delay, reused.
     events: Vec<KvEvent>,
@@ -308,6 +312,7 @@ impl<'a> Run<'a> {
             reqs: Vec::with_capacity(cfg.request_count().min(1 << 20)),
             itl: ItlHistogram::default(),
             router_errors: 0,
+            sessions: SessionCounts::default(),
             outcomes: Vec::new(),
             events: Vec::new(),
             now: 0,
@@ -406,20 +411,32 @@ impl<'a> Run<'a> {
         let Some(spec) = self.pending.take() else {
             return;
         };
-        self.send(spec, 1);
+        self.send(spec, 1, None);
         self.schedule_next_arrival();
     }
 
-    /// Routes a request to an engine and submits it there (or counts it rejected).
-    fn send(&mut self, spec: RequestSpec, turn: u32) {
+    /// Routes a request (turn `turn` of `session`, if any) to an engine and submits it there
+    /// (or counts it rejected).
+    fn send(&mut self, spec: RequestSpec, turn: u32, session: Option<u64>) {
         let id = self.reqs.len();
-        let (router, engine) = match self.fleet.route(id, &spec.blocks, self.now) {
+        let (router, engine, stay) = match self.fleet.route(id, &spec.blocks, self.now, session) {
             Ok(x) => x,
             Err(_) => {
+                // Hard session affinity cannot fail here (simulated engines are always
+                // routable), but a failed route is counted, never a panic.
                 self.router_errors += 1;
-                (0, 0)
+                (0, 0, Stay::Alone)
             }
         };
+        if turn > 1 {
+            let c = &mut self.sessions;
+            match stay {
+                Stay::Alone => {}
+                Stay::New => c.new += 1,
+                Stay::Kept => c.kept += 1,
+                Stay::Moved => c.moved += 1,
+            }
+        }
         self.share_load(Pool::Unified, router);
         self.reqs.push(Req {
             rec: RequestRecord {
@@ -443,6 +460,7 @@ impl<'a> Run<'a> {
             router,
             decode_router: 0,
             in_transit: Vec::new(),
+            session,
         });
         let req = EngineRequest::new(id as u64, spec.blocks, spec.input_len, spec.output_len);
         self.interrupt(engine);
@@ -663,6 +681,7 @@ impl<'a> Run<'a> {
             requests: self.reqs.into_iter().map(|r| r.rec).collect(),
             itl: self.itl.into_samples(),
             router_errors: self.router_errors,
+            sessions: self.cfg.session_routing().then_some(self.sessions),
         }
     }
 }

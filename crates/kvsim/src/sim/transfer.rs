@@ -20,7 +20,8 @@ impl Run<'_> {
         let Some(decode) = self.fleet.decode_routers.as_mut() else {
             return;
         };
-        let (router, d) = match decode.route(r, &blocks, self.now) {
+        let session = self.reqs[r].session;
+        let (router, d, _) = match decode.route(r, &blocks, self.now, session) {
             Ok(x) => x,
             Err(_) => {
                 self.router_errors += 1;
