@@ -63,6 +63,7 @@ mod cost;
 mod groups;
 mod inflight;
 mod replicas;
+mod reported;
 mod ring;
 mod router;
 
@@ -79,6 +80,7 @@ pub use kvblock::{BlockHash, BlockSize};
 pub use kvblock::{ExtraKeys, MultimodalSpan};
 pub use kvcache::{KvEvent, Tier, WorkerId};
 pub use replicas::{LoadChange, LoadDelta};
+pub use reported::ReportedLoad;
 pub use router::{Candidate, Decision, Router, RouterBuilder};
 
 /// A request's identity while it is in flight: chosen by the caller, unique among the requests
