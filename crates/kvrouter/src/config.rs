@@ -173,6 +173,12 @@ pub struct Config {
     /// unreachable collector costs kvrouter_otlp_export_errors_total, not latency.
     #[arg(long, value_name = "URL")]
     pub otlp_traces_endpoint: Option<String>,
+    /// A token bucket per API key (the Authorization: Bearer KEY header; requests without one
+    /// share one bucket), checked before --max-concurrency: RPS requests a second, bursts of
+    /// BURST [default: RPS rounded up]. Past it, 429 with Retry-After (the whole seconds until
+    /// the key has a token again) and OpenAI's error object. Off by default.
+    #[arg(long, value_name = "RPS[,BURST]")]
+    pub rate_limit: Option<crate::ratelimit::RateLimit>,
     /// A sidecar instead of the server (`kvrouter relay --help`).
     #[command(subcommand)]
     pub command: Option<Command>,

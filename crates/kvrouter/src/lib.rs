@@ -40,6 +40,7 @@ pub mod histogram;
 pub mod lora;
 pub mod nats;
 pub mod proxy;
+pub mod ratelimit;
 pub mod relay;
 pub mod state;
 

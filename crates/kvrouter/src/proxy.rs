@@ -42,6 +42,10 @@ pub fn app(server: Arc<Server>) -> axum::Router {
         .layer(DefaultBodyLimit::max(limit))
         .layer(axum::middleware::from_fn_with_state(
             Arc::clone(&server),
+            crate::ratelimit::limit,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&server),
             with_request_id,
         ))
         .with_state(server)

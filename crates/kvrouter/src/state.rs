@@ -106,6 +106,8 @@ pub struct Counters {
     pub catch_up_ms: AtomicU64,
     /// 1 when the start restored a snapshot.
     pub restored: AtomicU64,
+    /// Requests answered 429 by `--rate-limit`.
+    pub rate_limited: AtomicU64,
 }
 
 /// Upper bounds of the route-latency histogram's buckets, microseconds.
@@ -152,6 +154,8 @@ pub struct Server {
     pub(crate) nats: OnceLock<crate::nats::Nats>,
     /// Router ids of workers a restored snapshot names, so that they keep their mirrors.
     known: Mutex<BTreeMap<String, WorkerId>>,
+    /// The API keys' token buckets (`--rate-limit`).
+    pub rate_limiter: Option<crate::ratelimit::Limiter>,
 }
 
 impl std::fmt::Debug for Server {
@@ -238,6 +242,7 @@ impl Server {
         let tracks_prefill =
             cfg.cost_model.0 != kvroute::CostModel::Seed || cfg.busy_threshold.is_some();
         let lora = crate::lora::Adapters::new(&cfg.lora_modules);
+        let rate_limit = cfg.rate_limit;
         Ok(Server {
             lora,
             started: std::time::Instant::now(),
@@ -263,6 +268,7 @@ impl Server {
             deltas: OnceLock::new(),
             nats: OnceLock::new(),
             known: Mutex::new(BTreeMap::new()),
+            rate_limiter: rate_limit.map(crate::ratelimit::Limiter::new),
         })
     }
 
@@ -603,6 +609,7 @@ impl Server {
             ("kvrouter_retries_total", "Requests tried again on another worker after a failure before their first byte.", &c.retries),
             ("kvrouter_breaker_opened_total", "Circuit breakers opened (--breaker-failures failures within --breaker-window-s).", &c.breaker_opened),
             ("kvrouter_rejected_busy_total", "Requests answered 429 after waiting --queue-timeout-ms for a place under --max-concurrency.", &c.rejected_busy),
+            ("kvrouter_rate_limited_total", "Requests answered 429 because their API key was over --rate-limit.", &c.rate_limited),
         ] {
             counter(name, help, get(v));
         }
