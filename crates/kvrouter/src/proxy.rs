@@ -753,6 +753,8 @@ async fn workers(State(server): State<Arc<Server>>) -> Response {
                     .then(|| w.subscribed.load(Ordering::Acquire)),
                 "routed": w.routed.load(Ordering::Relaxed),
                 "upstream_errors": w.upstream_errors.load(Ordering::Relaxed),
+                // Its engine's load as its /metrics last said (--scrape-metrics-s), or null.
+                "engine": crate::telemetry::admin_json(w),
             })
         })
         .collect();

@@ -69,6 +69,8 @@ pub struct Worker {
     pub subscribed: AtomicBool,
     /// Its KV-event subscription, stopped when the worker is removed.
     pub(crate) task: Mutex<Option<tokio::task::AbortHandle>>,
+    /// What its engine's `/metrics` last said of its load (`--scrape-metrics-s`).
+    pub engine: crate::telemetry::Scraped,
 }
 
 /// Server-wide counters.
@@ -394,6 +396,7 @@ impl Server {
             silent: AtomicBool::new(false),
             draining: AtomicBool::new(false),
             task: Mutex::new(None),
+            engine: crate::telemetry::Scraped::default(),
         });
         list.push(Arc::clone(&w));
         Ok(w)
@@ -730,6 +733,7 @@ impl Server {
             "kvrouter_kv_event_lag_seconds",
             "From a KV-event batch's publication (the engine's timestamp) to its application.",
         );
+        crate::telemetry::write_metrics(self, &workers, &mut out);
         out
     }
 }
