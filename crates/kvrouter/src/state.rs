@@ -210,6 +210,14 @@ impl Server {
             b = b.decode_overlap_weight(w);
         }
         if let Some(limits) = &cfg.busy_threshold {
+            if limits.waiting.is_some() && cfg.scrape_metrics_s <= 0.0 {
+                return Err(ServerError::Setting {
+                    flag: "--busy-threshold",
+                    message: "waiting=N counts the requests the engines' /metrics say wait: \
+                              give --scrape-metrics-s too"
+                        .into(),
+                });
+            }
             let t = limits.threshold().map_err(|message| ServerError::Setting {
                 flag: "--busy-threshold",
                 message,

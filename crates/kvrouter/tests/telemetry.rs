@@ -121,3 +121,17 @@ fn without_the_flag_nothing_is_scraped() {
     let (_, text) = kvtest::net::http(router.port, "GET", "/metrics", None);
     assert!(!text.contains("kvrouter_worker_engine"), "{text}");
 }
+
+#[test]
+fn waiting_without_scraping_is_refused() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvrouter"))
+        .args(["--port", "0", "--busy-threshold", "waiting=2"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--busy-threshold") && err.contains("--scrape-metrics-s"),
+        "{err}"
+    );
+}
