@@ -93,17 +93,26 @@ pub fn prefill_aware_cost(
 /// exceed a fraction of its capacity, or its pending prefill exceeds a token budget. The `Kv`
 /// policy skips busy workers unless every worker is busy; then it takes the least loaded one.
 ///
+/// A worker whose engine reports its own load
+/// ([`Router::set_reported_load`](crate::Router::set_reported_load)) is also busy when its
+/// reported KV-cache usage exceeds the decode fraction, or (with
+/// [`waiting_requests`](Self::waiting_requests)) when it reports more waiting requests than
+/// allowed. Without reports, only the router's own counts decide.
+///
 /// ```
 /// use kvroute::BusyThreshold;
 /// let t = BusyThreshold::new().decode_fraction(0.9, 4_000).prefill_tokens(16_384);
 /// assert_eq!(t.decode_limit(), Some((0.9, 4_000)));
 /// assert_eq!(t.prefill_limit(), Some(16_384));
+/// assert_eq!(t.waiting_limit(), None);
+/// assert_eq!(t.waiting_requests(4).waiting_limit(), Some(4));
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 #[must_use]
 pub struct BusyThreshold {
     decode: Option<(f64, usize)>,
     prefill_tokens: Option<usize>,
+    waiting: Option<usize>,
 }
 
 impl BusyThreshold {
@@ -123,6 +132,19 @@ impl BusyThreshold {
     pub fn prefill_tokens(mut self, tokens: usize) -> Self {
         self.prefill_tokens = Some(tokens);
         self
+    }
+
+    /// Busy when a worker's engine reports more than `requests` waiting (queued) requests
+    /// ([`Router::set_reported_load`](crate::Router::set_reported_load)); a worker without a
+    /// report is never busy by this limit.
+    pub fn waiting_requests(mut self, requests: usize) -> Self {
+        self.waiting = Some(requests);
+        self
+    }
+
+    /// The reported waiting-requests limit.
+    pub fn waiting_limit(&self) -> Option<usize> {
+        self.waiting
     }
 
     /// The decode limit: (fraction, capacity in blocks).
@@ -154,14 +176,22 @@ impl BusyThreshold {
         Ok(())
     }
 
-    /// Whether a worker with this load is busy.
+    /// Whether a worker with this load is busy: the router's counts, and what its engine
+    /// reports (`kv_usage` 0 and `waiting` 0 without a report, which never count as busy).
     #[inline]
-    pub(crate) fn is_busy(&self, decode_blocks: usize, pending_prefill_tokens: usize) -> bool {
+    pub(crate) fn is_busy(
+        &self,
+        decode_blocks: usize,
+        pending_prefill_tokens: usize,
+        kv_usage: f64,
+        waiting: usize,
+    ) -> bool {
         self.decode
-            .is_some_and(|(f, cap)| decode_blocks as f64 > f * cap as f64)
+            .is_some_and(|(f, cap)| decode_blocks as f64 > f * cap as f64 || kv_usage > f)
             || self
                 .prefill_tokens
                 .is_some_and(|t| pending_prefill_tokens > t)
+            || self.waiting.is_some_and(|n| waiting > n)
     }
 }
 
@@ -321,10 +351,15 @@ mod tests {
         let t = BusyThreshold::new()
             .decode_fraction(0.5, 100)
             .prefill_tokens(64);
-        assert!(!t.is_busy(50, 64));
-        assert!(t.is_busy(51, 0));
-        assert!(t.is_busy(0, 65));
-        assert!(!BusyThreshold::new().is_busy(usize::MAX, usize::MAX));
+        assert!(!t.is_busy(50, 64, 0.5, usize::MAX));
+        assert!(t.is_busy(51, 0, 0.0, 0));
+        assert!(t.is_busy(0, 65, 0.0, 0));
+        // A reported KV usage above the decode fraction.
+        assert!(t.is_busy(0, 0, 0.51, 0));
+        let w = BusyThreshold::new().waiting_requests(3);
+        assert!(!w.is_busy(usize::MAX, usize::MAX, 1.0, 3));
+        assert!(w.is_busy(0, 0, 0.0, 4));
+        assert!(!BusyThreshold::new().is_busy(usize::MAX, usize::MAX, 1.0, usize::MAX));
         assert!(BusyThreshold::new()
             .decode_fraction(0.0, 1)
             .validate()

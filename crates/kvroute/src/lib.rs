@@ -63,6 +63,7 @@ mod cost;
 mod groups;
 mod inflight;
 mod replicas;
+mod reported;
 mod ring;
 mod router;
 mod sessions;
@@ -80,6 +81,7 @@ pub use kvblock::{BlockHash, BlockSize};
 pub use kvblock::{ExtraKeys, MultimodalSpan};
 pub use kvcache::{KvEvent, Tier, WorkerId};
 pub use replicas::{LoadChange, LoadDelta};
+pub use reported::ReportedLoad;
 pub use router::{Candidate, Decision, Router, RouterBuilder};
 pub use sessions::{SessionAffinity, SessionId};
 

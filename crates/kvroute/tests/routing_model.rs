@@ -1,12 +1,14 @@
 //! The routing model beyond the source document, each formula pinned by a hand-worked example:
-//! the prefill-aware cost, temperature sampling, busy thresholds and predicted blocks.
+//! the prefill-aware cost, temperature sampling, busy thresholds (with engines' reported load)
+//! and predicted blocks.
 
 use std::time::Duration;
 
 use kvroute::{
-    BlockHash, BusyThreshold, CostModel, Error, KvEvent, RequestId, Role, Router, RouterBuilder,
-    WorkerId,
+    BlockHash, BusyThreshold, CostModel, Error, KvEvent, Policy, ReportedLoad, RequestId, Role,
+    Router, RouterBuilder, WorkerId,
 };
+use proptest::prelude::*;
 
 const W0: WorkerId = WorkerId::new(0);
 const W1: WorkerId = WorkerId::new(1);
@@ -292,4 +294,137 @@ fn predicted_blocks_keep_a_burst_together_until_confirmed_or_lapsed() {
     r.remove_worker(warm[0].worker);
     r.add_worker(warm[0].worker);
     assert_eq!(r.predicted_blocks(warm[0].worker), 0);
+}
+
+// Engines' reported load (`Router::set_reported_load`) in the busy thresholds: a reported KV
+// usage above the decode fraction, or more waiting requests than allowed, counts a worker busy;
+// without reports, routing is unchanged.
+
+fn route(r: &mut Router, id: u64, blocks: &[BlockHash]) -> WorkerId {
+    r.route(RequestId::new(id), blocks, Role::Unified)
+        .unwrap()
+        .worker
+}
+
+#[test]
+fn a_reported_kv_usage_above_the_decode_fraction_is_busy() {
+    let prefix = chain(1, 6);
+    let t = BusyThreshold::new().decode_fraction(0.8, 1_000);
+    let mut r = fleet(Router::builder().busy_threshold(t), &prefix);
+    // W0 holds the prefix: it wins while its engine reports nothing, or a usage at the limit.
+    assert_eq!(route(&mut r, 1, &prefix), W0);
+    assert!(r
+        .set_reported_load(W0, Some(ReportedLoad::new(4, 0, 0.8)))
+        .unwrap());
+    assert_eq!(route(&mut r, 2, &prefix), W0);
+    // Above it: busy, though the router's own counts are far below.
+    r.set_reported_load(W0, Some(ReportedLoad::new(4, 0, 0.81)))
+        .unwrap();
+    assert!(r.explain(&prefix, Role::Unified)[0].busy);
+    assert_eq!(route(&mut r, 3, &prefix), W1);
+    // Both busy: the least loaded by the router's counts (W1 has one request, W0 two).
+    r.set_reported_load(W1, Some(ReportedLoad::new(1, 0, 0.99)))
+        .unwrap();
+    assert_eq!((r.active_blocks(W0), r.active_blocks(W1)), (6, 6));
+    for id in [1, 2] {
+        r.finish(RequestId::new(id)).unwrap();
+    }
+    assert_eq!(route(&mut r, 4, &prefix), W0);
+    // Forgotten: locality wins again.
+    r.set_reported_load(W1, None).unwrap();
+    r.set_reported_load(W0, None).unwrap();
+    assert_eq!(r.reported_load(W0), None);
+    assert!(r.explain(&prefix, Role::Unified).iter().all(|c| !c.busy));
+}
+
+#[test]
+fn more_waiting_requests_than_allowed_is_busy() {
+    let prefix = chain(1, 6);
+    let t = BusyThreshold::new().waiting_requests(2);
+    let mut r = fleet(Router::builder().busy_threshold(t), &prefix);
+    r.set_reported_load(W0, Some(ReportedLoad::new(30, 2, 0.99)))
+        .unwrap();
+    // Two waiting is the limit, and a KV usage alone counts only with a decode fraction.
+    assert_eq!(route(&mut r, 1, &prefix), W0);
+    r.set_reported_load(W0, Some(ReportedLoad::new(30, 3, 0.1)))
+        .unwrap();
+    assert_eq!(route(&mut r, 2, &prefix), W1);
+    assert_eq!(r.reported_load(W0), Some(ReportedLoad::new(30, 3, 0.1)));
+}
+
+#[test]
+fn reports_follow_the_worker_and_bad_values_are_refused() {
+    let mut r = fleet(Router::builder(), &[]);
+    let l = ReportedLoad::new(1, 2, 0.5);
+    // Out of routing, it keeps its report.
+    r.set_routable(W0, false);
+    assert!(r.set_reported_load(W0, Some(l)).unwrap());
+    r.set_routable(W0, true);
+    assert_eq!(r.reported_load(W0), Some(l));
+    // Removed and added again: nothing reported.
+    r.remove_worker(W0);
+    assert!(!r.set_reported_load(W0, Some(l)).unwrap());
+    assert!(!r.set_reported_load(WorkerId::new(9), Some(l)).unwrap());
+    r.add_worker(W0);
+    assert_eq!(r.reported_load(W0), None);
+    for bad in [f64::NAN, -0.1, f64::INFINITY] {
+        assert!(matches!(
+            r.set_reported_load(W0, Some(ReportedLoad::new(0, 0, bad))),
+            Err(Error::InvalidWeight { .. })
+        ));
+    }
+}
+
+#[derive(Debug, Clone)]
+enum ReportOp {
+    Route(u64, u64),
+    Finish(u64),
+    Report(bool, usize, u8),
+}
+
+fn report_op() -> impl Strategy<Value = ReportOp> {
+    prop_oneof![
+        (0u64..40, 1u64..6).prop_map(|(from, n)| ReportOp::Route(from, n)),
+        (0u64..20).prop_map(ReportOp::Finish),
+        (any::<bool>(), 0usize..4, 0u8..=50)
+            .prop_map(|(w, wait, kv)| ReportOp::Report(w, wait, kv)),
+    ]
+}
+
+proptest! {
+    /// Reports that never pass the limits (KV usage up to 0.5 under a decode fraction of 0.5
+    /// with a capacity nobody reaches, up to 3 waiting under a limit of 3) decide nothing: the
+    /// router routes exactly as one without thresholds or reports, tie-breaks included.
+    #[test]
+    fn reports_within_the_limits_change_no_decision(ops in prop::collection::vec(report_op(), 1..80)) {
+        let plain = Router::builder().policy(Policy::Kv).seed(3);
+        let limited = plain
+            .clone()
+            .busy_threshold(BusyThreshold::new().decode_fraction(0.5, 1 << 30).waiting_requests(3));
+        let (mut a, mut b) = (fleet(plain, &chain(0, 4)), fleet(limited, &chain(0, 4)));
+        let mut next = 0u64;
+        for op in ops {
+            match op {
+                ReportOp::Route(from, n) => {
+                    let blocks = chain(from, n);
+                    let id = RequestId::new(next);
+                    next += 1;
+                    let (da, db) = (
+                        a.route(id, &blocks, Role::Unified).unwrap(),
+                        b.route(id, &blocks, Role::Unified).unwrap(),
+                    );
+                    prop_assert_eq!(da, db);
+                }
+                ReportOp::Finish(id) => {
+                    let id = RequestId::new(id);
+                    prop_assert_eq!(a.finish(id).is_ok(), b.finish(id).is_ok());
+                }
+                ReportOp::Report(w0, waiting, kv) => {
+                    let w = if w0 { W0 } else { W1 };
+                    let load = ReportedLoad::new(0, waiting, f64::from(kv) / 100.0);
+                    prop_assert!(b.set_reported_load(w, Some(load)).unwrap());
+                }
+            }
+        }
+    }
 }

@@ -159,8 +159,13 @@ pub struct Config {
     #[arg(long, default_value_t = 0.0, value_name = "T")]
     pub router_temperature: f64,
     /// kv-aware policy: skip busy workers unless all are. decode=F,capacity=BLOCKS: decode
-    /// blocks above F x BLOCKS; prefill-tokens=N: pending prefill above N tokens.
-    #[arg(long, value_name = "decode=F,capacity=BLOCKS,prefill-tokens=N")]
+    /// blocks above F x BLOCKS (with --scrape-metrics-s, or an engine's KV-cache usage above
+    /// F); prefill-tokens=N: pending prefill above N tokens; waiting=N (with
+    /// --scrape-metrics-s): more than N requests waiting in the engine.
+    #[arg(
+        long,
+        value_name = "decode=F,capacity=BLOCKS,prefill-tokens=N,waiting=N"
+    )]
     pub busy_threshold: Option<BusyLimits>,
     /// Count a routed request's blocks as hits on its worker for this long, or until its KV
     /// events confirm them (0 = off), milliseconds.
@@ -190,6 +195,20 @@ pub struct Config {
     /// unreachable collector costs kvrouter_otlp_export_errors_total, not latency.
     #[arg(long, value_name = "URL")]
     pub otlp_traces_endpoint: Option<String>,
+    /// A token bucket per API key (the Authorization: Bearer KEY header; requests without one
+    /// share one bucket), checked before --max-concurrency: RPS requests a second, bursts of
+    /// BURST [default: RPS rounded up]. Past it, 429 with Retry-After (the whole seconds until
+    /// the key has a token again) and OpenAI's error object. Off by default.
+    #[arg(long, value_name = "RPS[,BURST]")]
+    pub rate_limit: Option<crate::ratelimit::RateLimit>,
+    /// Read each worker's /metrics every S seconds (0: never) for vLLM's
+    /// vllm:num_requests_running, vllm:num_requests_waiting and vllm:kv_cache_usage_perc (or
+    /// the older vllm:gpu_cache_usage_perc), which --busy-threshold then uses next to the
+    /// router's own counts (kvrouter_worker_engine_* in /metrics, `engine` in
+    /// /v1/admin/workers). A failed scrape keeps the last values for one more period, then
+    /// clears them.
+    #[arg(long, default_value_t = 0.0, value_name = "S", value_parser = parse_period)]
+    pub scrape_metrics_s: f64,
     /// A sidecar instead of the server (`kvrouter relay --help`).
     #[command(subcommand)]
     pub command: Option<Command>,
@@ -326,6 +345,15 @@ impl FromStr for SessionAffinityName {
     }
 }
 
+fn parse_period(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(t) if t == 0.0 || (0.01..=1e6).contains(&t) => Ok(t),
+        _ => Err(format!(
+            "expected 0 (off) or a number of seconds from 0.01 to 1e6, got {s:?}"
+        )),
+    }
+}
+
 /// `--on-silent-feed`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum OnSilentFeed {
@@ -370,6 +398,8 @@ pub struct BusyLimits {
     pub capacity: Option<usize>,
     /// `prefill-tokens=N`.
     pub prefill_tokens: Option<usize>,
+    /// `waiting=N`.
+    pub waiting: Option<usize>,
 }
 
 impl BusyLimits {
@@ -384,6 +414,9 @@ impl BusyLimits {
         if let Some(n) = self.prefill_tokens {
             t = t.prefill_tokens(n);
         }
+        if let Some(n) = self.waiting {
+            t = t.waiting_requests(n);
+        }
         Ok(t)
     }
 }
@@ -393,14 +426,18 @@ impl FromStr for BusyLimits {
     fn from_str(s: &str) -> Result<Self, String> {
         let mut l = BusyLimits::default();
         for part in s.split(',') {
-            let bad =
-                || format!("expected decode=F, capacity=BLOCKS, prefill-tokens=N; got {part:?}");
+            let bad = || {
+                format!(
+                    "expected decode=F, capacity=BLOCKS, prefill-tokens=N, waiting=N; got {part:?}"
+                )
+            };
             let (key, value) = part.split_once('=').ok_or_else(bad)?;
             let value = value.trim();
             match key.trim() {
                 "decode" => l.decode = Some(value.parse().map_err(|_| bad())?),
                 "capacity" => l.capacity = Some(value.parse().map_err(|_| bad())?),
                 "prefill-tokens" => l.prefill_tokens = Some(value.parse().map_err(|_| bad())?),
+                "waiting" => l.waiting = Some(value.parse().map_err(|_| bad())?),
                 _ => return Err(bad()),
             }
         }
@@ -548,6 +585,33 @@ mod tests {
             .unwrap_err()
             .contains("\"foo=bar\""));
         assert!("http://host".parse::<WorkerSpec>().is_err());
+    }
+
+    #[test]
+    fn busy_limits_take_waiting_requests_and_scrape_periods_parse() {
+        let l: BusyLimits = "decode=0.9,capacity=100,waiting=4".parse().unwrap();
+        assert_eq!(l.waiting, Some(4));
+        let t = l.threshold().unwrap();
+        assert_eq!(
+            (t.waiting_limit(), t.decode_limit()),
+            (Some(4), Some((0.9, 100)))
+        );
+        let t = "waiting=0"
+            .parse::<BusyLimits>()
+            .unwrap()
+            .threshold()
+            .unwrap();
+        assert_eq!((t.waiting_limit(), t.decode_limit()), (Some(0), None));
+        assert!("waiting=x"
+            .parse::<BusyLimits>()
+            .unwrap_err()
+            .contains("waiting=N"));
+        let c = Config::parse_from(["kvrouter", "--scrape-metrics-s", "0.5"]);
+        assert_eq!(c.scrape_metrics_s, 0.5);
+        assert_eq!(Config::default().scrape_metrics_s, 0.0);
+        for bad in ["-1", "0.001", "inf", "x"] {
+            assert!(Config::try_parse_from(["kvrouter", "--scrape-metrics-s", bad]).is_err());
+        }
     }
 
     #[test]

@@ -41,8 +41,10 @@ pub mod lora;
 mod migrate;
 pub mod nats;
 pub mod proxy;
+pub mod ratelimit;
 pub mod relay;
 pub mod state;
+pub mod telemetry;
 
 use std::sync::Arc;
 
@@ -169,6 +171,10 @@ pub async fn serve(
     }
     tokio::spawn(proxy::revive(Arc::clone(&server)));
     tokio::spawn(state::watch_adapters(Arc::clone(&server)));
+    if server.cfg.scrape_metrics_s > 0.0 {
+        let every = std::time::Duration::from_secs_f64(server.cfg.scrape_metrics_s);
+        tokio::spawn(telemetry::scrape_loop(Arc::clone(&server), every));
+    }
     let addr = listener
         .local_addr()
         .map(|a| a.to_string())

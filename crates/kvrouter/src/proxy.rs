@@ -43,6 +43,10 @@ pub fn app(server: Arc<Server>) -> axum::Router {
         .layer(DefaultBodyLimit::max(limit))
         .layer(axum::middleware::from_fn_with_state(
             Arc::clone(&server),
+            crate::ratelimit::limit,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&server),
             with_request_id,
         ))
         .with_state(server)
@@ -1026,6 +1030,8 @@ async fn workers(State(server): State<Arc<Server>>) -> Response {
                     .then(|| w.subscribed.load(Ordering::Acquire)),
                 "routed": w.routed.load(Ordering::Relaxed),
                 "upstream_errors": w.upstream_errors.load(Ordering::Relaxed),
+                // Its engine's load as its /metrics last said (--scrape-metrics-s), or null.
+                "engine": crate::telemetry::admin_json(w),
             })
         })
         .collect();

@@ -69,6 +69,8 @@ pub struct Worker {
     pub subscribed: AtomicBool,
     /// Its KV-event subscription, stopped when the worker is removed.
     pub(crate) task: Mutex<Option<tokio::task::AbortHandle>>,
+    /// What its engine's `/metrics` last said of its load (`--scrape-metrics-s`).
+    pub engine: crate::telemetry::Scraped,
 }
 
 /// Server-wide counters.
@@ -113,6 +115,8 @@ pub struct Counters {
     pub catch_up_ms: AtomicU64,
     /// 1 when the start restored a snapshot.
     pub restored: AtomicU64,
+    /// Requests answered 429 by `--rate-limit`.
+    pub rate_limited: AtomicU64,
 }
 
 /// Upper bounds of the route-latency histogram's buckets, microseconds.
@@ -159,6 +163,8 @@ pub struct Server {
     pub(crate) nats: OnceLock<crate::nats::Nats>,
     /// Router ids of workers a restored snapshot names, so that they keep their mirrors.
     known: Mutex<BTreeMap<String, WorkerId>>,
+    /// The API keys' token buckets (`--rate-limit`).
+    pub rate_limiter: Option<crate::ratelimit::Limiter>,
 }
 
 impl std::fmt::Debug for Server {
@@ -211,6 +217,14 @@ impl Server {
             b = b.decode_overlap_weight(w);
         }
         if let Some(limits) = &cfg.busy_threshold {
+            if limits.waiting.is_some() && cfg.scrape_metrics_s <= 0.0 {
+                return Err(ServerError::Setting {
+                    flag: "--busy-threshold",
+                    message: "waiting=N counts the requests the engines' /metrics say wait: \
+                              give --scrape-metrics-s too"
+                        .into(),
+                });
+            }
             let t = limits.threshold().map_err(|message| ServerError::Setting {
                 flag: "--busy-threshold",
                 message,
@@ -247,6 +261,7 @@ impl Server {
         let tracks_prefill =
             cfg.cost_model.0 != kvroute::CostModel::Seed || cfg.busy_threshold.is_some();
         let lora = crate::lora::Adapters::new(&cfg.lora_modules);
+        let rate_limit = cfg.rate_limit;
         Ok(Server {
             lora,
             started: std::time::Instant::now(),
@@ -272,6 +287,7 @@ impl Server {
             deltas: OnceLock::new(),
             nats: OnceLock::new(),
             known: Mutex::new(BTreeMap::new()),
+            rate_limiter: rate_limit.map(crate::ratelimit::Limiter::new),
         })
     }
 
@@ -397,6 +413,7 @@ impl Server {
             silent: AtomicBool::new(false),
             draining: AtomicBool::new(false),
             task: Mutex::new(None),
+            engine: crate::telemetry::Scraped::default(),
         });
         list.push(Arc::clone(&w));
         Ok(w)
@@ -615,6 +632,7 @@ impl Server {
             ("kvrouter_migrations_total", "Streamed answers moved to another worker after their worker failed mid-stream (--migration-limit).", &c.migrations),
             ("kvrouter_migrations_failed_total", "Mid-stream failures that could not move to another worker: the client's stream broke off.", &c.migrations_failed),
             ("kvrouter_session_moves_total", "Session turns routed to another worker than the session's last one (--session-affinity).", &c.session_moves),
+            ("kvrouter_rate_limited_total", "Requests answered 429 because their API key was over --rate-limit.", &c.rate_limited),
         ] {
             counter(name, help, get(v));
         }
@@ -740,6 +758,7 @@ impl Server {
             "kvrouter_kv_event_lag_seconds",
             "From a KV-event batch's publication (the engine's timestamp) to its application.",
         );
+        crate::telemetry::write_metrics(self, &workers, &mut out);
         out
     }
 }

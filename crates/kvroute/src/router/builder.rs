@@ -323,6 +323,8 @@ impl RouterBuilder {
             active: Vec::new(),
             pending: Vec::new(),
             decode: Vec::new(),
+            reported_kv: Vec::new(),
+            reported_waiting: Vec::new(),
             spare: Vec::new(),
             members: Vec::new(),
             requests: Map::default(),

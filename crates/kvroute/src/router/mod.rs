@@ -15,7 +15,7 @@ use crate::ring::Ring;
 use crate::sessions::Sessions;
 use crate::{
     cost, prefill_aware_cost, BusyThreshold, CacheGroup, CostModel, Error, LoadChange, LoadDelta,
-    Map, Policy, RequestId, Role, Salt, SessionAffinity, SessionId, TierCredits,
+    Map, Policy, ReportedLoad, RequestId, Role, Salt, SessionAffinity, SessionId, TierCredits,
 };
 
 mod builder;
@@ -79,6 +79,8 @@ struct Load {
     requests: usize,
     /// Predicted blocks and when each prediction lapses.
     predicted: Map<BlockHash, Duration>,
+    /// What its engine last reported of its load, if anything.
+    reported: Option<ReportedLoad>,
 }
 
 #[derive(Debug, Clone)]
@@ -135,6 +137,9 @@ pub struct Router {
     pending: Vec<usize>,
     /// `slots[i].decode.len()` by dense index.
     decode: Vec<usize>,
+    /// `slots[i].reported`'s KV usage and waiting requests by dense index (0 without a report).
+    reported_kv: Vec<f64>,
+    reported_waiting: Vec<usize>,
     /// Block lists of finished requests, reused by the next routes.
     spare: Vec<Vec<BlockHash>>,
     /// Dense indices of registered workers, in worker-id order.
@@ -187,6 +192,7 @@ impl Load {
             pending: 0,
             requests: 0,
             predicted: Map::default(),
+            reported: None,
         }
     }
 
@@ -260,10 +266,14 @@ impl Router {
             self.active.resize(i + 1, 0);
             self.pending.resize(i + 1, 0);
             self.decode.resize(i + 1, 0);
+            self.reported_kv.resize(i + 1, 0.0);
+            self.reported_waiting.resize(i + 1, 0);
         }
         self.active[i] = 0;
         self.pending[i] = 0;
         self.decode[i] = 0;
+        self.reported_kv[i] = 0.0;
+        self.reported_waiting[i] = 0;
         self.generation += 1;
         self.slots[i] = Some(Load::new(worker, self.generation));
         let pos = self
@@ -289,6 +299,8 @@ impl Router {
         self.active[i] = 0;
         self.pending[i] = 0;
         self.decode[i] = 0;
+        self.reported_kv[i] = 0.0;
+        self.reported_waiting[i] = 0;
         self.members.retain(|&m| m != i);
         self.ring.remove(worker);
         true
@@ -504,6 +516,8 @@ impl Router {
         self.active.clear();
         self.pending.clear();
         self.decode.clear();
+        self.reported_kv.clear();
+        self.reported_waiting.clear();
         self.expiry.clear();
         self.members.clear();
         self.ring = Ring::new(self.ring.vnodes());
@@ -1012,6 +1026,67 @@ impl Router {
         self.worker_load(worker).map_or(0, |l| l.decode.len())
     }
 
+    /// Gives the router what `worker`'s engine reports of its own load (its metrics), or
+    /// forgets it (`None`): the [`BusyThreshold`] reads it next to the router's own counts (a
+    /// reported KV usage above the decode fraction, more waiting requests than
+    /// [`BusyThreshold::waiting_requests`], count the worker busy). Costs are unchanged.
+    /// Returns whether `worker` is registered (routable or not); an error for a KV usage that
+    /// is not a number from 0 up.
+    ///
+    /// ```
+    /// use kvblock::BlockSize;
+    /// use kvroute::{BusyThreshold, ReportedLoad, RequestId, Role, Router, WorkerId};
+    ///
+    /// let mut router = Router::builder()
+    ///     .block_size(BlockSize::new(4)?)
+    ///     .busy_threshold(BusyThreshold::new().decode_fraction(0.9, 1_000).waiting_requests(2))
+    ///     .build()?;
+    /// let (w0, w1) = (WorkerId::new(0), WorkerId::new(1));
+    /// router.add_worker(w0);
+    /// router.add_worker(w1);
+    /// // w0's engine says its KV cache is 95% full: it is busy, w1 gets the requests.
+    /// assert!(router.set_reported_load(w0, Some(ReportedLoad::new(8, 0, 0.95)))?);
+    /// let tokens: Vec<u32> = (0..8).collect();
+    /// for id in 0..3 {
+    ///     let d = router.route_tokens(RequestId::new(id), &tokens, Role::Unified)?;
+    ///     assert_eq!(d.worker, w1);
+    /// }
+    /// assert_eq!(router.reported_load(w0).map(|l| l.running), Some(8));
+    /// // Forgotten: only the router's own counts decide again.
+    /// router.set_reported_load(w0, None)?;
+    /// assert_eq!(router.reported_load(w0), None);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn set_reported_load(
+        &mut self,
+        worker: WorkerId,
+        load: Option<ReportedLoad>,
+    ) -> Result<bool, Error> {
+        if let Some(l) = &load {
+            if !(l.kv_usage.is_finite() && l.kv_usage >= 0.0) {
+                return Err(Error::InvalidWeight {
+                    name: "reported KV usage",
+                    value: l.kv_usage,
+                });
+            }
+        }
+        let Some(i) = self.index.worker_index(worker) else {
+            return Ok(false);
+        };
+        let Some(slot) = self.slots.get_mut(i).and_then(Option::as_mut) else {
+            return Ok(false);
+        };
+        slot.reported = load;
+        self.reported_kv[i] = load.map_or(0.0, |l| l.kv_usage);
+        self.reported_waiting[i] = load.map_or(0, |l| l.waiting);
+        Ok(true)
+    }
+
+    /// What `worker`'s engine last reported of its load ([`set_reported_load`](Self::set_reported_load)).
+    pub fn reported_load(&self, worker: WorkerId) -> Option<ReportedLoad> {
+        self.worker_load(worker)?.reported
+    }
+
     /// Replaces the busy threshold (`None`: nobody is busy); an error names an invalid limit.
     pub fn set_busy_threshold(&mut self, threshold: Option<BusyThreshold>) -> Result<(), Error> {
         if let Some(t) = &threshold {
@@ -1091,6 +1166,8 @@ impl Router {
             b.is_busy(
                 self.decode[i],
                 self.pending[i].saturating_mul(self.config.block_size.get()),
+                self.reported_kv[i],
+                self.reported_waiting[i],
             )
         })
     }
