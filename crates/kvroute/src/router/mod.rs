@@ -11,6 +11,7 @@ use rand_xoshiro::Xoshiro256PlusPlus;
 use crate::cost::{sample_softmax, score};
 use crate::groups::Groups;
 use crate::inflight::InFlightBlocks;
+use crate::predicted::Predicted;
 use crate::ring::Ring;
 use crate::{
     cost, prefill_aware_cost, BusyThreshold, CacheGroup, CostModel, Error, LoadChange, LoadDelta,
@@ -77,7 +78,9 @@ struct Load {
     pending: usize,
     requests: usize,
     /// Predicted blocks and when each prediction lapses.
-    predicted: Map<BlockHash, Duration>,
+    predicted: Predicted,
+    /// Whether its dense index is in the router's `predicting` list.
+    listed: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -159,8 +162,11 @@ pub struct Router {
     group_cap: Option<usize>,
     /// The clock predictions are stamped and lapse by.
     now: Duration,
-    /// Predictions in the order they lapse: (when, slot, generation, block).
-    expiry: VecDeque<(Duration, usize, u64, BlockHash)>,
+    /// Predictions in the order they lapse: (when, slot, generation).
+    expiry: VecDeque<(Duration, usize, u64)>,
+    /// Dense indices of the workers that may have predictions (each listed once), so a route
+    /// visits only those.
+    predicting: Vec<usize>,
     /// Scratch of the temperature sampling: candidates' costs and dense indices.
     costs: Vec<f64>,
     eligible: Vec<usize>,
@@ -181,7 +187,8 @@ impl Load {
             decode: InFlightBlocks::default(),
             pending: 0,
             requests: 0,
-            predicted: Map::default(),
+            predicted: Predicted::default(),
+            listed: false,
         }
     }
 
@@ -195,14 +202,8 @@ impl Load {
         from: usize,
         now: Duration,
     ) -> usize {
-        let mut r = from;
-        while r < blocks.len()
-            && (self.predicted.get(&blocks[r]).is_some_and(|&t| t > now)
-                || (r > from && index.holds(self.id, blocks[r])))
-        {
-            r += 1;
-        }
-        r
+        self.predicted
+            .run(blocks, from, now, |b| index.holds(self.id, b))
     }
 }
 
@@ -281,6 +282,7 @@ impl Router {
         }
         self.groups.clear_worker(worker, Some(i));
         self.slots[i] = None;
+        self.predicting.retain(|&j| j != i);
         self.active[i] = 0;
         self.pending[i] = 0;
         self.decode[i] = 0;
@@ -371,11 +373,7 @@ impl Router {
                     if !load.predicted.is_empty() {
                         match event {
                             // Confirmed: the index holds them now.
-                            KvEvent::Stored { blocks, .. } => {
-                                for b in blocks {
-                                    load.predicted.remove(b);
-                                }
-                            }
+                            KvEvent::Stored { blocks, .. } => load.predicted.confirm(blocks),
                             KvEvent::Cleared => load.predicted.clear(),
                             KvEvent::Removed { .. } => {}
                         }
@@ -500,6 +498,7 @@ impl Router {
         self.pending.clear();
         self.decode.clear();
         self.expiry.clear();
+        self.predicting.clear();
         self.members.clear();
         self.ring = Ring::new(self.ring.vnodes());
         for w in listed {
@@ -593,13 +592,16 @@ impl Router {
             self.pending[chosen] = load.pending;
             if !ttl.is_zero() {
                 let lapses = self.now.saturating_add(ttl);
-                for &b in &blocks[hits.min(n)..] {
-                    load.predicted.insert(b, lapses);
-                    self.expiry.push_back((lapses, chosen, load.generation, b));
+                if hits < n {
+                    load.predicted.add(hits, &blocks[hits..], lapses);
+                    self.expiry.push_back((lapses, chosen, load.generation));
                 }
             }
             (load.id, load.generation)
         };
+        if !ttl.is_zero() && hits < n {
+            self.list_predicting(chosen);
+        }
         let mut kept = self.spare.pop().unwrap_or_default();
         kept.extend_from_slice(blocks);
         self.requests.insert(
@@ -699,18 +701,37 @@ impl Router {
     }
 
     /// Extends every worker's leading run over its predicted blocks.
+    ///
+    /// Visits the workers listed in `predicting`, dropping those whose predictions are gone. A
+    /// worker out of routing may get a longer run too: nothing reads it (`Overlaps::set_run`
+    /// keeps each worker's run apart, and only the runs by dense index are read here).
     fn extend_predicted(&mut self, blocks: &[BlockHash]) {
-        for &i in &self.members {
-            let Some(load) = self.slots[i].as_ref() else {
+        let mut k = 0;
+        while let Some(&i) = self.predicting.get(k) {
+            let Some(load) = self.slots.get_mut(i).and_then(Option::as_mut) else {
+                self.predicting.swap_remove(k);
                 continue;
             };
             if load.predicted.is_empty() {
+                load.listed = false;
+                self.predicting.swap_remove(k);
                 continue;
             }
+            k += 1;
             let from = self.overlaps.run_at(i);
             let run = load.predicted_run(&self.index, blocks, from, self.now);
             if run > from {
                 self.overlaps.set_run(i, load.id, run);
+            }
+        }
+    }
+
+    /// Lists worker `i` in `predicting` (it has just been given predictions).
+    fn list_predicting(&mut self, i: usize) {
+        if let Some(load) = self.slots.get_mut(i).and_then(Option::as_mut) {
+            if !load.listed {
+                load.listed = true;
+                self.predicting.push(i);
             }
         }
     }
@@ -891,15 +912,14 @@ impl Router {
             return;
         }
         self.now = now;
-        while let Some(&(t, slot, generation, b)) = self.expiry.front() {
+        while let Some(&(t, slot, generation)) = self.expiry.front() {
             if t > now {
                 break;
             }
             self.expiry.pop_front();
             if let Some(load) = self.slots.get_mut(slot).and_then(Option::as_mut) {
-                // A later prediction of the same block keeps it.
-                if load.generation == generation && load.predicted.get(&b) == Some(&t) {
-                    load.predicted.remove(&b);
+                if load.generation == generation {
+                    load.predicted.prune(now);
                 }
             }
         }
@@ -907,9 +927,8 @@ impl Router {
 
     /// Blocks predicted on `worker` and not yet confirmed by its events nor lapsed.
     pub fn predicted_blocks(&self, worker: WorkerId) -> usize {
-        self.worker_load(worker).map_or(0, |l| {
-            l.predicted.values().filter(|&&t| t > self.now).count()
-        })
+        self.worker_load(worker)
+            .map_or(0, |l| l.predicted.count(self.now))
     }
 
     /// Uncached prompt blocks of `worker`'s requests not past their first token.
@@ -1017,50 +1036,101 @@ impl Router {
     /// The `Kv` policy's choice: among the workers not busy (all, when every one is busy: then
     /// the least loaded), the lowest cost, or a sample at the router's temperature.
     fn choose_kv(&mut self, weight: f64, n: usize) -> usize {
-        if self.config.busy.is_none() && self.config.temperature == 0.0 && self.lower.is_empty() {
-            // The common case, in one pass over the workers, reading only the load it needs.
+        // Busy when decode > limits.0 or pending > limits.1 (see `BusyThreshold::limits`).
+        let thresholds = self.config.busy.is_some();
+        let limits = self.config.busy.map_or((usize::MAX, usize::MAX), |b| {
+            b.limits(self.config.block_size.get())
+        });
+        let t = self.config.temperature;
+        if t == 0.0 {
+            // One pass over the workers, reading only the load its cost needs.
             let (active, pending, decode) = (&self.active, &self.pending, &self.decode);
             let (members, overlaps) = (&self.members, &self.overlaps);
-            let k = match self.config.cost_model {
-                CostModel::Seed => argmin(
-                    &mut self.rng,
-                    members
-                        .iter()
-                        .map(|&i| cost(weight, n, overlaps.run_at(i), active[i])),
-                ),
-                CostModel::PrefillAware => argmin(
-                    &mut self.rng,
-                    members.iter().map(|&i| {
-                        prefill_aware_cost(weight, n, overlaps.run_at(i), pending[i], decode[i])
-                    }),
-                ),
+            let credit = (!self.lower.is_empty()).then_some(&self.lower_credit[..]);
+            let rng = &mut self.rng;
+            let scan = Scan {
+                members,
+                limits: thresholds.then_some((limits, decode, pending)),
             };
-            return self.members[k];
+            let run = |i: usize| overlaps.run_at(i);
+            let free = match (self.config.cost_model, credit) {
+                (CostModel::Seed, None) => scan.lowest(rng, |i| cost(weight, n, run(i), active[i])),
+                (CostModel::Seed, Some(cr)) => {
+                    scan.lowest(rng, |i| cost(weight, n, run(i), active[i]) - weight * cr[i])
+                }
+                (CostModel::PrefillAware, None) => scan.lowest(rng, |i| {
+                    prefill_aware_cost(weight, n, run(i), pending[i], decode[i])
+                }),
+                (CostModel::PrefillAware, Some(cr)) => scan.lowest(rng, |i| {
+                    prefill_aware_cost(weight, n, run(i), pending[i], decode[i]) - weight * cr[i]
+                }),
+            };
+            if let Some(i) = free {
+                return i;
+            }
+            // Every worker is busy: the least loaded.
+            let mut rng = self.rng.clone();
+            let all = self.members.iter().map(|&i| (i, self.load_term(i) as f64));
+            let chosen = argmin_of(&mut rng, all).unwrap_or(self.members[0]);
+            self.rng = rng;
+            return chosen;
+        }
+        // The spread of the costs of the workers not busy, in one pass that stores nothing.
+        let (mut min, mut max, mut free) = (f64::INFINITY, f64::NEG_INFINITY, 0usize);
+        for &i in &self.members {
+            if self.decode[i] > limits.0 || self.pending[i] > limits.1 {
+                continue;
+            }
+            let c = self.cost_at(weight, n, i);
+            // Branches rather than `f64::min`, whose chain of dependent instructions is slower;
+            // both skip NaN.
+            if c < min {
+                min = c;
+            }
+            if c > max {
+                max = c;
+            }
+            free += 1;
+        }
+        if free > EXACT_SAMPLING {
+            // By rejection: a uniformly drawn worker not busy, accepted with probability its
+            // weight (see `sample_softmax_rejection`).
+            let scale = t * (max - min);
+            if !(scale.is_finite() && scale > 0.0) {
+                // Equal costs: the lowest, ties broken at random (as below).
+                return self.lowest_free(weight, n, limits);
+            }
+            let m = self.members.len();
+            for _ in 0..REJECTION_TRIALS {
+                let k = self.uniform(m);
+                let i = self.members[k];
+                let w = if self.decode[i] > limits.0 || self.pending[i] > limits.1 {
+                    0.0
+                } else {
+                    (-(self.cost_at(weight, n, i) - min) / scale).exp()
+                };
+                if unit(&mut self.rng) < w {
+                    return i;
+                }
+            }
         }
         let mut eligible = std::mem::take(&mut self.eligible);
         let mut costs = std::mem::take(&mut self.costs);
         eligible.clear();
         costs.clear();
-        let thresholds = self.config.busy.is_some();
-        if thresholds {
-            eligible.extend(self.members.iter().copied().filter(|&i| !self.is_busy(i)));
+        for &i in &self.members {
+            if self.decode[i] <= limits.0 && self.pending[i] <= limits.1 {
+                eligible.push(i);
+                costs.push(self.cost_at(weight, n, i));
+            }
         }
-        let all_busy = thresholds && eligible.is_empty();
-        if eligible.is_empty() {
+        let k = if eligible.is_empty() {
             eligible.extend_from_slice(&self.members);
-        }
-        let k = if all_busy {
             costs.extend(eligible.iter().map(|&i| self.load_term(i) as f64));
             argmin(&mut self.rng, costs.iter().copied())
         } else {
-            costs.extend(eligible.iter().map(|&i| self.cost_at(weight, n, i)));
-            let t = self.config.temperature;
-            let u = if t > 0.0 {
-                Some((self.rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64)
-            } else {
-                None
-            };
-            match u.and_then(|u| sample_softmax(&mut costs, t, u)) {
+            let u = unit(&mut self.rng);
+            match sample_softmax(&mut costs, t, u) {
                 Some(k) => k,
                 // Not sampled: the costs are intact.
                 None => argmin(&mut self.rng, costs.iter().copied()),
@@ -1069,6 +1139,20 @@ impl Router {
         let chosen = eligible[k];
         self.eligible = eligible;
         self.costs = costs;
+        chosen
+    }
+
+    /// The lowest cost among the workers not busy under `limits` (some are), ties broken at
+    /// random.
+    fn lowest_free(&mut self, weight: f64, n: usize, limits: (usize, usize)) -> usize {
+        let mut rng = self.rng.clone();
+        let free = self
+            .members
+            .iter()
+            .filter(|&&i| self.decode[i] <= limits.0 && self.pending[i] <= limits.1)
+            .map(|&i| (i, self.cost_at(weight, n, i)));
+        let chosen = argmin_of(&mut rng, free).unwrap_or(self.members[0]);
+        self.rng = rng;
         chosen
     }
 
@@ -1083,25 +1167,170 @@ impl Router {
     }
 }
 
-/// A worker's cost under `model`, from its load (active, pending prefill, decode blocks).
+/// Up to this many candidates, temperature sampling computes every candidate's weight
+/// ([`sample_softmax`]). Above, it samples by rejection: a worker drawn uniformly (a busy one
+/// weighs 0) is accepted with probability its weight `exp(−(cost − min) / (t × (max − min)))`,
+/// at most 1, so a trial costs one weight instead of all of them. The accepted worker follows
+/// the same distribution; after [`REJECTION_TRIALS`] rejections (a low temperature, where
+/// most weights are tiny) it falls back to computing every weight, which draws from it too.
+const EXACT_SAMPLING: usize = 16;
+
+/// A uniform draw in [0, 1) from `rng` (53 bits).
+#[inline]
+fn unit(rng: &mut Xoshiro256PlusPlus) -> f64 {
+    (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+}
+
 /// The position of the lowest of `values`, ties broken uniformly with `rng` (reservoir
 /// sampling: each tied position ends up chosen with probability 1/ties).
 #[inline]
 fn argmin(rng: &mut Xoshiro256PlusPlus, values: impl IntoIterator<Item = f64>) -> usize {
+    argmin_of(rng, values.into_iter().enumerate()).unwrap_or(0)
+}
+
+/// The workers a temperature-0 choice scans: `members`, less the busy ones when limits are set
+/// (busy: decode blocks above `limits.0` or pending prefill blocks above `limits.1`).
+struct Scan<'a> {
+    members: &'a [usize],
+    #[allow(clippy::type_complexity)]
+    limits: Option<((usize, usize), &'a [usize], &'a [usize])>,
+}
+
+impl Scan<'_> {
+    /// The worker of lowest `cost` among those not busy, ties broken as [`argmin`] does;
+    /// `None` when every worker is busy.
+    #[inline]
+    fn lowest(&self, rng: &mut Xoshiro256PlusPlus, cost: impl Fn(usize) -> f64) -> Option<usize> {
+        match self.limits {
+            None => argmin_of(rng, self.members.iter().map(|&i| (i, cost(i)))),
+            Some(((d, p), decode, pending)) => argmin_of(
+                rng,
+                self.members
+                    .iter()
+                    .filter(|&&i| decode[i] <= d && pending[i] <= p)
+                    .map(|&i| (i, cost(i))),
+            ),
+        }
+    }
+}
+
+/// The item with the lowest value, ties broken as [`argmin`] does (the first item when no value
+/// is below infinity); `None` when there is no item.
+#[inline]
+fn argmin_of(
+    rng: &mut Xoshiro256PlusPlus,
+    values: impl IntoIterator<Item = (usize, f64)>,
+) -> Option<usize> {
     let mut best = f64::INFINITY;
-    let mut chosen = 0;
+    let mut chosen = None;
     let mut ties = 0u64;
-    for (k, c) in values.into_iter().enumerate() {
+    for (x, c) in values {
+        if chosen.is_none() {
+            chosen = Some(x);
+        }
         if c < best {
             best = c;
-            chosen = k;
+            chosen = Some(x);
             ties = 1;
         } else if c == best {
             ties += 1;
             if rng.next_u64() % ties == 0 {
-                chosen = k;
+                chosen = Some(x);
             }
         }
     }
     chosen
+}
+
+/// Trials of temperature sampling by rejection before it falls back to computing every weight.
+const REJECTION_TRIALS: usize = 32;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The exact probabilities of `sample_softmax` for `costs` at temperature `t`.
+    fn softmax(costs: &[f64], t: f64) -> Vec<f64> {
+        let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+        let max = costs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let w: Vec<f64> = costs
+            .iter()
+            .map(|c| (-(c - min) / (t * (max - min))).exp())
+            .collect();
+        let total: f64 = w.iter().sum();
+        w.iter().map(|x| x / total).collect()
+    }
+
+    /// Rejection sampling (40 workers, above [`EXACT_SAMPLING`]) draws from the softmax: at
+    /// temperatures where most trials are accepted, and at a low one where it mostly falls back
+    /// to computing every weight.
+    #[test]
+    fn rejection_sampling_follows_the_softmax() {
+        let blocks: Vec<BlockHash> = (1..=10).map(BlockHash::new).collect();
+        // Worker w holds the first w % 11 blocks: cost 10 - w % 11 (nothing in flight).
+        let costs: Vec<f64> = (0..40u32).map(|w| f64::from(10 - w % 11)).collect();
+        for (t, seed) in [(0.5, 1), (2.0, 2), (0.05, 3)] {
+            let mut r = Router::builder().temperature(t).seed(seed).build().unwrap();
+            for w in 0..40u64 {
+                let id = WorkerId::new(w);
+                r.add_worker(id);
+                let held = (w % 11) as usize;
+                if held > 0 {
+                    let stored = KvEvent::Stored {
+                        parent: None,
+                        blocks: blocks[..held].to_vec(),
+                    };
+                    r.apply_event(id, 0, &stored).unwrap();
+                }
+            }
+            let want = softmax(&costs, t);
+            let trials = 100_000u32;
+            let mut got = vec![0u32; costs.len()];
+            for id in 0..u64::from(trials) {
+                let d = r.route(RequestId::new(id), &blocks, Role::Unified).unwrap();
+                r.finish(RequestId::new(id)).unwrap();
+                got[d.worker.get() as usize] += 1;
+            }
+            for (w, (&g, &p)) in got.iter().zip(&want).enumerate() {
+                let f = f64::from(g) / f64::from(trials);
+                // Five standard errors.
+                let tol = 5.0 * (p * (1.0 - p) / f64::from(trials)).sqrt() + 1e-9;
+                assert!((f - p).abs() <= tol, "t={t} worker {w}: {f} vs {p}");
+            }
+        }
+    }
+
+    /// A fleet of more workers than [`EXACT_SAMPLING`] samples by rejection: two seeds route
+    /// alike, and the lowest-cost worker wins most often.
+    #[test]
+    fn large_fleets_sample_by_rejection() {
+        let blocks: Vec<BlockHash> = (1..=10).map(BlockHash::new).collect();
+        let picks = |seed| {
+            let mut r = Router::builder()
+                .temperature(0.3)
+                .seed(seed)
+                .build()
+                .unwrap();
+            for w in 0..40 {
+                r.add_worker(WorkerId::new(w));
+            }
+            let stored = KvEvent::Stored {
+                parent: None,
+                blocks: blocks.clone(),
+            };
+            r.apply_event(WorkerId::new(5), 0, &stored).unwrap();
+            (0..2_000)
+                .map(|id| {
+                    let d = r.route(RequestId::new(id), &blocks, Role::Unified).unwrap();
+                    r.finish(RequestId::new(id)).unwrap();
+                    d.worker.get()
+                })
+                .collect::<Vec<_>>()
+        };
+        let a = picks(9);
+        assert_eq!(a, picks(9));
+        // Costs 0 (worker 5) and 10 (the 39 others): P(5) = 1 / (1 + 39 e^(-1/0.3)) = 0.418.
+        let to_5 = a.iter().filter(|&&w| w == 5).count() as f64 / a.len() as f64;
+        assert!((to_5 - 0.418).abs() < 0.05, "{to_5}");
+    }
 }
