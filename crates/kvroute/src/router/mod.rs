@@ -1042,8 +1042,28 @@ impl Router {
             b.limits(self.config.block_size.get())
         });
         let t = self.config.temperature;
+        if t == 0.0 && !thresholds && self.lower.is_empty() {
+            // The common case, in one pass over the workers, reading only the load it needs.
+            let (active, pending, decode) = (&self.active, &self.pending, &self.decode);
+            let (members, overlaps) = (&self.members, &self.overlaps);
+            let k = match self.config.cost_model {
+                CostModel::Seed => argmin(
+                    &mut self.rng,
+                    members
+                        .iter()
+                        .map(|&i| cost(weight, n, overlaps.run_at(i), active[i])),
+                ),
+                CostModel::PrefillAware => argmin(
+                    &mut self.rng,
+                    members.iter().map(|&i| {
+                        prefill_aware_cost(weight, n, overlaps.run_at(i), pending[i], decode[i])
+                    }),
+                ),
+            };
+            return self.members[k];
+        }
         if t == 0.0 {
-            // One pass over the workers, reading only the load its cost needs.
+            // One pass over the workers not busy, reading only the load its cost needs.
             let (active, pending, decode) = (&self.active, &self.pending, &self.decode);
             let (members, overlaps) = (&self.members, &self.overlaps);
             let credit = (!self.lower.is_empty()).then_some(&self.lower_credit[..]);
@@ -1185,7 +1205,47 @@ fn unit(rng: &mut Xoshiro256PlusPlus) -> f64 {
 /// sampling: each tied position ends up chosen with probability 1/ties).
 #[inline]
 fn argmin(rng: &mut Xoshiro256PlusPlus, values: impl IntoIterator<Item = f64>) -> usize {
-    argmin_of(rng, values.into_iter().enumerate()).unwrap_or(0)
+    let mut lowest = Lowest::default();
+    let mut chosen = 0;
+    for (k, c) in values.into_iter().enumerate() {
+        if lowest.offer(rng, c) {
+            chosen = k;
+        }
+    }
+    chosen
+}
+
+/// The running lowest value of a scan and how many values tie it.
+struct Lowest {
+    best: f64,
+    ties: u64,
+}
+
+impl Default for Lowest {
+    fn default() -> Self {
+        Lowest {
+            best: f64::INFINITY,
+            ties: 0,
+        }
+    }
+}
+
+impl Lowest {
+    /// Whether `c` becomes the choice: below the lowest so far, or tying it and drawn (each of
+    /// `ties` tied values ends up chosen with probability 1/ties).
+    #[inline]
+    fn offer(&mut self, rng: &mut Xoshiro256PlusPlus, c: f64) -> bool {
+        if c < self.best {
+            self.best = c;
+            self.ties = 1;
+            true
+        } else if c == self.best {
+            self.ties += 1;
+            rng.next_u64() % self.ties == 0
+        } else {
+            false
+        }
+    }
 }
 
 /// The workers a temperature-0 choice scans: `members`, less the busy ones when limits are set
@@ -1221,25 +1281,18 @@ fn argmin_of(
     rng: &mut Xoshiro256PlusPlus,
     values: impl IntoIterator<Item = (usize, f64)>,
 ) -> Option<usize> {
-    let mut best = f64::INFINITY;
-    let mut chosen = None;
-    let mut ties = 0u64;
+    let mut values = values.into_iter();
+    // The first item is the choice until a value beats infinity (or ties it).
+    let (first, c) = values.next()?;
+    let mut lowest = Lowest::default();
+    let mut chosen = first;
+    lowest.offer(rng, c);
     for (x, c) in values {
-        if chosen.is_none() {
-            chosen = Some(x);
-        }
-        if c < best {
-            best = c;
-            chosen = Some(x);
-            ties = 1;
-        } else if c == best {
-            ties += 1;
-            if rng.next_u64() % ties == 0 {
-                chosen = Some(x);
-            }
+        if lowest.offer(rng, c) {
+            chosen = x;
         }
     }
-    chosen
+    Some(chosen)
 }
 
 /// Trials of temperature sampling by rejection before it falls back to computing every weight.
