@@ -9,7 +9,9 @@
 //! - The workload is built once per fleet size from a fixed seed. Worker `w` is in group `w % 4`
 //!   and holds `C` chains of `D` blocks (16 tokens a block); the first `D / 4` blocks of its chain
 //!   `c` are the prefix shared by every worker of its group, the rest are its own. `C` is chosen
-//!   so that the index holds 2^20 (block, worker) pairs.
+//!   so that the index holds 2^20 (block, worker) pairs. A second workload of the same size,
+//!   for ingestion and memory only: every worker holds the same chains (a fleet-wide system
+//!   prompt), their events chain by chain or worker by worker.
 //! - Both libraries hash the very same tokens with their own hashers (kvblock, and Dynamo's
 //!   `compute_block_hash_for_seq` + `compute_seq_hash_for_block`); the harness checks that the
 //!   two give the same sequence hashes, and that all four indexers give the same overlaps for
