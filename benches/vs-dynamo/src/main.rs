@@ -9,7 +9,9 @@
 //! - The workload is built once per fleet size from a fixed seed. Worker `w` is in group `w % 4`
 //!   and holds `C` chains of `D` blocks (16 tokens a block); the first `D / 4` blocks of its chain
 //!   `c` are the prefix shared by every worker of its group, the rest are its own. `C` is chosen
-//!   so that the index holds 2^20 (block, worker) pairs.
+//!   so that the index holds 2^20 (block, worker) pairs. A second workload of the same size,
+//!   for ingestion and memory only: every worker holds the same chains (a fleet-wide system
+//!   prompt), their events chain by chain or worker by worker.
 //! - Both libraries hash the very same tokens with their own hashers (kvblock, and Dynamo's
 //!   `compute_block_hash_for_seq` + `compute_seq_hash_for_block`); the harness checks that the
 //!   two give the same sequence hashes, and that all four indexers give the same overlaps for
@@ -145,6 +147,7 @@ fn block_tokens(out: &mut Vec<u32>, tag: u64, a: u64, b: u64, i: u64) {
 }
 
 /// One chain, hashed by both libraries from the same tokens.
+#[derive(Clone)]
 struct Chain {
     ours: Vec<BlockHash>,
     local: Vec<DynLocal>,
@@ -171,6 +174,9 @@ impl Chain {
 
 struct Fleet {
     workers: usize,
+    /// Events worker by worker (each worker's every chain, then the next worker's) instead of
+    /// chain by chain.
+    worker_major: bool,
     depth: usize,
     chains_per_worker: usize,
     /// Worker `w`'s chain `c` is `chains[w * chains_per_worker + c]`.
@@ -221,6 +227,7 @@ impl Fleet {
             .collect();
         Fleet {
             workers,
+            worker_major: false,
             depth,
             chains_per_worker,
             chains,
@@ -229,24 +236,58 @@ impl Fleet {
         }
     }
 
+    /// A fleet-wide prefix: every worker holds the same `C` chains of `D` blocks (a system
+    /// prompt every engine has cached), so every block has all the workers as holders. Only
+    /// ingestion and memory are measured on it (every query would be a full hit everywhere).
+    /// Events come chain by chain (each chain reaches every worker in turn), or with
+    /// `worker_major` worker by worker (each worker caches every chain in turn, as when
+    /// engines start one after another).
+    fn same_chains(workers: usize, depth: usize, worker_major: bool) -> Fleet {
+        let hasher = BlockHasher::new(BlockSize::new(BLOCK_TOKENS).expect("non-zero"));
+        let chains_per_worker = TARGET_PAIRS / (workers * depth);
+        let mut tokens = Vec::with_capacity(depth * BLOCK_TOKENS);
+        let shared: Vec<Chain> = (0..chains_per_worker as u64)
+            .map(|c| {
+                tokens.clear();
+                for i in 0..depth as u64 {
+                    block_tokens(&mut tokens, 5, 0, c, i);
+                }
+                Chain::hash(&tokens, &hasher)
+            })
+            .collect();
+        let chains = (0..workers)
+            .flat_map(|_| shared.iter().map(Chain::clone))
+            .collect();
+        Fleet {
+            workers,
+            worker_major,
+            depth,
+            chains_per_worker,
+            chains,
+            full: Vec::new(),
+            partial: Vec::new(),
+        }
+    }
+
     fn pairs(&self) -> usize {
         self.chains.len() * self.depth
     }
 
     /// Every event of the fleet in arrival order, as `(worker, event id, chain, first block)`:
-    /// chain by chain, workers interleaved, 16 blocks an event.
+    /// chain by chain, workers interleaved (or worker by worker), 16 blocks an event.
     fn events(&self) -> impl Iterator<Item = (usize, u64, usize, usize)> + '_ {
         let per_chain = self.depth / EVENT_BLOCKS;
-        (0..self.chains_per_worker).flat_map(move |c| {
-            (0..self.workers).flat_map(move |w| {
-                (0..per_chain).map(move |k| {
-                    (
-                        w,
-                        self.event_id(c, k),
-                        w * self.chains_per_worker + c,
-                        k * EVENT_BLOCKS,
-                    )
-                })
+        let (workers, chains) = (self.workers, self.chains_per_worker);
+        let (outer, inner) = if self.worker_major {
+            (workers, chains)
+        } else {
+            (chains, workers)
+        };
+        (0..outer).flat_map(move |a| {
+            (0..inner).flat_map(move |b| {
+                let (w, c) = if self.worker_major { (a, b) } else { (b, a) };
+                (0..per_chain)
+                    .map(move |k| (w, self.event_id(c, k), w * chains + c, k * EVENT_BLOCKS))
             })
         })
     }
@@ -760,6 +801,42 @@ fn run(fleets: &[(usize, usize)], evicted: bool, tail_first: bool, began: Instan
             unit: Unit::BytesPerPair,
             values: memory,
         });
+
+        // The same chains on every worker: ingestion (in both orders) and memory.
+        for worker_major in [false, true] {
+            let same = Fleet::same_chains(workers, depth, worker_major);
+            let mut samples = vec![Vec::new(); 4];
+            for round in 0..INGEST_RUNS {
+                for k in 0..4 {
+                    let k = (k + round) % 4;
+                    samples[k].push(ingest_rate(KINDS[k], &same));
+                }
+            }
+            let order = if worker_major {
+                "worker by worker"
+            } else {
+                "chain by chain"
+            };
+            ingest_rows.push(Row {
+                label: format!("ingest, {workers} workers, all holding the same chains, {order}"),
+                unit: Unit::Rate,
+                values: std::array::from_fn(|k| median(samples[k].clone())),
+            });
+            if !worker_major {
+                eprintln!(
+                    "{workers} workers, same chains: {} chains of {depth} blocks held by every worker, {} pairs",
+                    same.chains_per_worker,
+                    same.pairs()
+                );
+                memory_rows.push(Row {
+                    label: format!(
+                        "memory, {workers} workers, all holding the same chains, bytes per (block, worker) pair"
+                    ),
+                    unit: Unit::BytesPerPair,
+                    values: std::array::from_fn(|k| build_measured(KINDS[k], &same).1),
+                });
+            }
+        }
     }
 
     println!(

@@ -176,6 +176,28 @@ impl BusyThreshold {
         Ok(())
     }
 
+    /// The limits as integers, for a router of `block_size` tokens per block: by its own
+    /// counts, a worker is busy exactly when its decode blocks exceed the first or its pending
+    /// prefill blocks exceed the second (what [`is_busy`](Self::is_busy) says of the counts,
+    /// without a float per worker; what its engine reports is [`reported_busy`](Self::reported_busy)).
+    #[inline]
+    pub(crate) fn limits(&self, block_size: usize) -> (usize, usize) {
+        // `d as f64 > x` for a whole `d` and `x >= 0` is `d > floor(x)` (a float to integer
+        // cast floors and saturates; NaN, which validation rejects, would read 0).
+        let decode = self
+            .decode
+            .map_or(usize::MAX, |(f, cap)| (f * cap as f64) as usize);
+        // `p × block_size > t` (saturating) is `p > t / block_size`, but never for t = MAX.
+        let prefill = self.prefill_tokens.map_or(usize::MAX, |t| {
+            if t == usize::MAX {
+                usize::MAX
+            } else {
+                t / block_size.max(1)
+            }
+        });
+        (decode, prefill)
+    }
+
     /// Whether a worker with this load is busy: the router's counts, and what its engine
     /// reports (`kv_usage` 0 and `waiting` 0 without a report, which never count as busy).
     #[inline]
@@ -187,11 +209,18 @@ impl BusyThreshold {
         waiting: usize,
     ) -> bool {
         self.decode
-            .is_some_and(|(f, cap)| decode_blocks as f64 > f * cap as f64 || kv_usage > f)
+            .is_some_and(|(f, cap)| decode_blocks as f64 > f * cap as f64)
             || self
                 .prefill_tokens
                 .is_some_and(|t| pending_prefill_tokens > t)
-            || self.waiting.is_some_and(|n| waiting > n)
+            || self.reported_busy(kv_usage, waiting)
+    }
+
+    /// Whether what an engine reports makes it busy: a KV usage above the decode fraction, or
+    /// more waiting requests than the waiting limit.
+    #[inline]
+    pub(crate) fn reported_busy(&self, kv_usage: f64, waiting: usize) -> bool {
+        self.decode.is_some_and(|(f, _)| kv_usage > f) || self.waiting.is_some_and(|n| waiting > n)
     }
 }
 
@@ -344,6 +373,38 @@ mod tests {
         // The scale is the spread: costs 10 and 20 sample like 0 and 1.
         assert_eq!(sample_softmax(&mut [10.0, 20.0], 1.0, p0 + 1e-9), Some(1));
         assert_eq!(sample_softmax(&mut [0.0, 1.0], 1.0, 1.0 - 1e-17), Some(1));
+    }
+
+    #[test]
+    fn integer_limits_agree_with_is_busy() {
+        for (f, cap) in [
+            (0.5, 100),
+            (0.9, 512),
+            (0.3, 7),
+            (1.0, 1),
+            (2.5, 3),
+            (1e30, 5),
+        ] {
+            for tokens in [0, 1, 15, 16, 17, 64, 1 << 16, usize::MAX - 1, usize::MAX] {
+                let t = BusyThreshold::new()
+                    .decode_fraction(f, cap)
+                    .prefill_tokens(tokens);
+                for bs in [1, 3, 16, 512] {
+                    let (d, p) = t.limits(bs);
+                    for decode in [0, 1, 2, 3, 49, 50, 51, 460, 461, 1000] {
+                        for pending in [0, 1, 2, 4, 5, 1 << 12, usize::MAX / 2, usize::MAX] {
+                            let tokens = pending.saturating_mul(bs);
+                            assert_eq!(
+                                decode > d || pending > p,
+                                t.is_busy(decode, tokens, 0.0, 0),
+                                "{f} {cap} {tokens} {bs}: decode {decode}, pending {pending}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(BusyThreshold::new().limits(16), (usize::MAX, usize::MAX));
     }
 
     #[test]

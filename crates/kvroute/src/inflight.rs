@@ -47,8 +47,20 @@ struct Segment {
 
 /// How many leading elements `a` and `b` share.
 #[inline]
-fn common_prefix(a: &[BlockHash], b: &[BlockHash]) -> usize {
+pub(crate) fn common_prefix(a: &[BlockHash], b: &[BlockHash]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// Whether `list` starts with `seg`: every pair compared without an early exit, which the
+/// compiler turns into wide compares (a segment is most often a whole prompt's tail).
+#[inline]
+fn starts_with(list: &[BlockHash], seg: &[BlockHash]) -> bool {
+    list.len() >= seg.len()
+        && list
+            .iter()
+            .zip(seg)
+            .fold(0, |acc, (a, b)| acc | (a.get() ^ b.get()))
+            == 0
 }
 
 impl InFlightBlocks {
@@ -117,7 +129,7 @@ impl InFlightBlocks {
                 return;
             };
             let seg = &mut self.segs[s as usize];
-            if !blocks[pos..].starts_with(&seg.blocks) {
+            if !starts_with(&blocks[pos..], &seg.blocks) {
                 // A guard: with no start ever shared (see `add`), a list retraces the segments
                 // it was added through, however they were split since.
                 return;

@@ -62,6 +62,7 @@
 mod cost;
 mod groups;
 mod inflight;
+mod predicted;
 mod replicas;
 mod reported;
 mod ring;

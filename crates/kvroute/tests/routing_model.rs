@@ -428,3 +428,47 @@ proptest! {
         }
     }
 }
+
+/// Reported load counts in every way the Kv choice scans the workers: at temperature 0 and
+/// sampled, by exact weighing (up to 16 candidates) and by rejection (more), and when every
+/// worker is busy by its own counts or by its report.
+#[test]
+fn reported_busy_workers_are_skipped_on_every_path() {
+    for (workers, t) in [(8u64, 0.0), (8, 0.5), (40, 0.0), (40, 0.5), (40, 2.0)] {
+        let mut r = Router::builder()
+            .temperature(t)
+            .busy_threshold(BusyThreshold::new().waiting_requests(0))
+            .build()
+            .unwrap();
+        for w in 0..workers {
+            r.add_worker(WorkerId::new(w));
+        }
+        let free = WorkerId::new(workers / 2);
+        for w in (0..workers).map(WorkerId::new).filter(|&w| w != free) {
+            r.set_reported_load(w, Some(ReportedLoad::new(1, 1, 0.1)))
+                .unwrap();
+        }
+        for id in 0..50 {
+            let d = r
+                .route(RequestId::new(id), &chain(7, 4), Role::Unified)
+                .unwrap();
+            assert_eq!(d.worker, free, "{workers} workers at temperature {t}");
+        }
+        // The threshold replaced by one without a waiting limit: nobody is busy any more.
+        r.set_busy_threshold(Some(BusyThreshold::new().prefill_tokens(1 << 30)))
+            .unwrap();
+        let spread: std::collections::BTreeSet<WorkerId> = (100..300)
+            .map(|id| {
+                let d = r
+                    .route(RequestId::new(id), &chain(7, 4), Role::Unified)
+                    .unwrap();
+                r.finish(RequestId::new(id)).unwrap();
+                d.worker
+            })
+            .collect();
+        assert!(
+            spread.len() > 1,
+            "{workers} workers at temperature {t}: {spread:?}"
+        );
+    }
+}

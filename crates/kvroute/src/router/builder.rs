@@ -132,7 +132,10 @@ impl RouterBuilder {
     /// probability ∝ `exp(−(cost(w) − min) / (T × (max − min)))` over the candidates' costs
     /// (seeded, so deterministic for a seed): at `T = 1` the worst candidate is `e` times less
     /// likely than the best, and a higher `T` spreads load further. When all candidates cost the
-    /// same, the tie is broken uniformly, after one draw of the generator for the sample.
+    /// same, the tie is broken uniformly (up to 16 candidates after one draw of the generator
+    /// for the sample). Up to 16 candidates the sample weighs every one; above, it draws
+    /// candidates uniformly and accepts one with probability its weight (rejection sampling:
+    /// the same distribution, a few weights per request instead of one per worker).
     ///
     /// ```
     /// use kvroute::{RequestId, Role, Router, WorkerId};
@@ -325,6 +328,7 @@ impl RouterBuilder {
             decode: Vec::new(),
             reported_kv: Vec::new(),
             reported_waiting: Vec::new(),
+            reported_busy: Vec::new(),
             spare: Vec::new(),
             members: Vec::new(),
             requests: Map::default(),
@@ -341,6 +345,7 @@ impl RouterBuilder {
             group_cap: None,
             now: Duration::ZERO,
             expiry: VecDeque::new(),
+            predicting: Vec::new(),
             costs: Vec::new(),
             eligible: Vec::new(),
             lower: Vec::new(),

@@ -11,6 +11,7 @@ use rand_xoshiro::Xoshiro256PlusPlus;
 use crate::cost::{sample_softmax, score};
 use crate::groups::Groups;
 use crate::inflight::InFlightBlocks;
+use crate::predicted::Predicted;
 use crate::ring::Ring;
 use crate::sessions::Sessions;
 use crate::{
@@ -78,7 +79,9 @@ struct Load {
     pending: usize,
     requests: usize,
     /// Predicted blocks and when each prediction lapses.
-    predicted: Map<BlockHash, Duration>,
+    predicted: Predicted,
+    /// Whether its dense index is in the router's `predicting` list.
+    listed: bool,
     /// What its engine last reported of its load, if anything.
     reported: Option<ReportedLoad>,
 }
@@ -140,6 +143,8 @@ pub struct Router {
     /// `slots[i].reported`'s KV usage and waiting requests by dense index (0 without a report).
     reported_kv: Vec<f64>,
     reported_waiting: Vec<usize>,
+    /// Whether those make the worker busy under the busy threshold, by dense index.
+    reported_busy: Vec<bool>,
     /// Block lists of finished requests, reused by the next routes.
     spare: Vec<Vec<BlockHash>>,
     /// Dense indices of registered workers, in worker-id order.
@@ -165,8 +170,11 @@ pub struct Router {
     group_cap: Option<usize>,
     /// The clock predictions are stamped and lapse by.
     now: Duration,
-    /// Predictions in the order they lapse: (when, slot, generation, block).
-    expiry: VecDeque<(Duration, usize, u64, BlockHash)>,
+    /// Predictions in the order they lapse: (when, slot, generation).
+    expiry: VecDeque<(Duration, usize, u64)>,
+    /// Dense indices of the workers that may have predictions (each listed once), so a route
+    /// visits only those.
+    predicting: Vec<usize>,
     /// Scratch of the temperature sampling: candidates' costs and dense indices.
     costs: Vec<f64>,
     eligible: Vec<usize>,
@@ -191,7 +199,8 @@ impl Load {
             decode: InFlightBlocks::default(),
             pending: 0,
             requests: 0,
-            predicted: Map::default(),
+            predicted: Predicted::default(),
+            listed: false,
             reported: None,
         }
     }
@@ -206,14 +215,8 @@ impl Load {
         from: usize,
         now: Duration,
     ) -> usize {
-        let mut r = from;
-        while r < blocks.len()
-            && (self.predicted.get(&blocks[r]).is_some_and(|&t| t > now)
-                || (r > from && index.holds(self.id, blocks[r])))
-        {
-            r += 1;
-        }
-        r
+        self.predicted
+            .run(blocks, from, now, |b| index.holds(self.id, b))
     }
 }
 
@@ -268,12 +271,14 @@ impl Router {
             self.decode.resize(i + 1, 0);
             self.reported_kv.resize(i + 1, 0.0);
             self.reported_waiting.resize(i + 1, 0);
+            self.reported_busy.resize(i + 1, false);
         }
         self.active[i] = 0;
         self.pending[i] = 0;
         self.decode[i] = 0;
         self.reported_kv[i] = 0.0;
         self.reported_waiting[i] = 0;
+        self.reported_busy[i] = false;
         self.generation += 1;
         self.slots[i] = Some(Load::new(worker, self.generation));
         let pos = self
@@ -296,11 +301,13 @@ impl Router {
         }
         self.groups.clear_worker(worker, Some(i));
         self.slots[i] = None;
+        self.predicting.retain(|&j| j != i);
         self.active[i] = 0;
         self.pending[i] = 0;
         self.decode[i] = 0;
         self.reported_kv[i] = 0.0;
         self.reported_waiting[i] = 0;
+        self.reported_busy[i] = false;
         self.members.retain(|&m| m != i);
         self.ring.remove(worker);
         true
@@ -388,11 +395,7 @@ impl Router {
                     if !load.predicted.is_empty() {
                         match event {
                             // Confirmed: the index holds them now.
-                            KvEvent::Stored { blocks, .. } => {
-                                for b in blocks {
-                                    load.predicted.remove(b);
-                                }
-                            }
+                            KvEvent::Stored { blocks, .. } => load.predicted.confirm(blocks),
                             KvEvent::Cleared => load.predicted.clear(),
                             KvEvent::Removed { .. } => {}
                         }
@@ -518,7 +521,9 @@ impl Router {
         self.decode.clear();
         self.reported_kv.clear();
         self.reported_waiting.clear();
+        self.reported_busy.clear();
         self.expiry.clear();
+        self.predicting.clear();
         self.members.clear();
         self.ring = Ring::new(self.ring.vnodes());
         for w in listed {
@@ -618,13 +623,16 @@ impl Router {
             self.pending[chosen] = load.pending;
             if !ttl.is_zero() {
                 let lapses = self.now.saturating_add(ttl);
-                for &b in &blocks[hits.min(n)..] {
-                    load.predicted.insert(b, lapses);
-                    self.expiry.push_back((lapses, chosen, load.generation, b));
+                if hits < n {
+                    load.predicted.add(hits, &blocks[hits..], lapses);
+                    self.expiry.push_back((lapses, chosen, load.generation));
                 }
             }
             (load.id, load.generation)
         };
+        if !ttl.is_zero() && hits < n {
+            self.list_predicting(chosen);
+        }
         let mut kept = self.spare.pop().unwrap_or_default();
         kept.extend_from_slice(blocks);
         self.requests.insert(
@@ -802,18 +810,37 @@ impl Router {
     }
 
     /// Extends every worker's leading run over its predicted blocks.
+    ///
+    /// Visits the workers listed in `predicting`, dropping those whose predictions are gone. A
+    /// worker out of routing may get a longer run too: nothing reads it (`Overlaps::set_run`
+    /// keeps each worker's run apart, and only the runs by dense index are read here).
     fn extend_predicted(&mut self, blocks: &[BlockHash]) {
-        for &i in &self.members {
-            let Some(load) = self.slots[i].as_ref() else {
+        let mut k = 0;
+        while let Some(&i) = self.predicting.get(k) {
+            let Some(load) = self.slots.get_mut(i).and_then(Option::as_mut) else {
+                self.predicting.swap_remove(k);
                 continue;
             };
             if load.predicted.is_empty() {
+                load.listed = false;
+                self.predicting.swap_remove(k);
                 continue;
             }
+            k += 1;
             let from = self.overlaps.run_at(i);
             let run = load.predicted_run(&self.index, blocks, from, self.now);
             if run > from {
                 self.overlaps.set_run(i, load.id, run);
+            }
+        }
+    }
+
+    /// Lists worker `i` in `predicting` (it has just been given predictions).
+    fn list_predicting(&mut self, i: usize) {
+        if let Some(load) = self.slots.get_mut(i).and_then(Option::as_mut) {
+            if !load.listed {
+                load.listed = true;
+                self.predicting.push(i);
             }
         }
     }
@@ -994,15 +1021,14 @@ impl Router {
             return;
         }
         self.now = now;
-        while let Some(&(t, slot, generation, b)) = self.expiry.front() {
+        while let Some(&(t, slot, generation)) = self.expiry.front() {
             if t > now {
                 break;
             }
             self.expiry.pop_front();
             if let Some(load) = self.slots.get_mut(slot).and_then(Option::as_mut) {
-                // A later prediction of the same block keeps it.
-                if load.generation == generation && load.predicted.get(&b) == Some(&t) {
-                    load.predicted.remove(&b);
+                if load.generation == generation {
+                    load.predicted.prune(now);
                 }
             }
         }
@@ -1010,9 +1036,8 @@ impl Router {
 
     /// Blocks predicted on `worker` and not yet confirmed by its events nor lapsed.
     pub fn predicted_blocks(&self, worker: WorkerId) -> usize {
-        self.worker_load(worker).map_or(0, |l| {
-            l.predicted.values().filter(|&&t| t > self.now).count()
-        })
+        self.worker_load(worker)
+            .map_or(0, |l| l.predicted.count(self.now))
     }
 
     /// Uncached prompt blocks of `worker`'s requests not past their first token.
@@ -1079,6 +1104,7 @@ impl Router {
         slot.reported = load;
         self.reported_kv[i] = load.map_or(0.0, |l| l.kv_usage);
         self.reported_waiting[i] = load.map_or(0, |l| l.waiting);
+        self.mark_reported_busy(i);
         Ok(true)
     }
 
@@ -1093,7 +1119,25 @@ impl Router {
             t.validate()?;
         }
         self.config.busy = threshold;
+        for i in 0..self.reported_busy.len() {
+            self.mark_reported_busy(i);
+        }
         Ok(())
+    }
+
+    /// Recomputes whether worker `i`'s reported load makes it busy.
+    fn mark_reported_busy(&mut self, i: usize) {
+        self.reported_busy[i] = self
+            .config
+            .busy
+            .is_some_and(|b| b.reported_busy(self.reported_kv[i], self.reported_waiting[i]));
+    }
+
+    /// Whether worker `i` is busy under `limits` (from [`BusyThreshold::limits`]) or by what its
+    /// engine reports: [`is_busy`](Self::is_busy) without a float per worker.
+    #[inline]
+    fn over(&self, i: usize, limits: (usize, usize)) -> bool {
+        self.decode[i] > limits.0 || self.pending[i] > limits.1 || self.reported_busy[i]
     }
 
     /// The busy threshold in use.
@@ -1183,7 +1227,13 @@ impl Router {
     /// The `Kv` policy's choice: among the workers not busy (all, when every one is busy: then
     /// the least loaded), the lowest cost, or a sample at the router's temperature.
     fn choose_kv(&mut self, weight: f64, n: usize) -> usize {
-        if self.config.busy.is_none() && self.config.temperature == 0.0 && self.lower.is_empty() {
+        // Busy when decode > limits.0 or pending > limits.1 (see `BusyThreshold::limits`).
+        let thresholds = self.config.busy.is_some();
+        let limits = self.config.busy.map_or((usize::MAX, usize::MAX), |b| {
+            b.limits(self.config.block_size.get())
+        });
+        let t = self.config.temperature;
+        if t == 0.0 && !thresholds && self.lower.is_empty() {
             // The common case, in one pass over the workers, reading only the load it needs.
             let (active, pending, decode) = (&self.active, &self.pending, &self.decode);
             let (members, overlaps) = (&self.members, &self.overlaps);
@@ -1203,30 +1253,95 @@ impl Router {
             };
             return self.members[k];
         }
+        if t == 0.0 {
+            // One pass over the workers not busy, reading only the load its cost needs.
+            let (active, pending, decode) = (&self.active, &self.pending, &self.decode);
+            let (members, overlaps) = (&self.members, &self.overlaps);
+            let credit = (!self.lower.is_empty()).then_some(&self.lower_credit[..]);
+            let rng = &mut self.rng;
+            let scan = Scan {
+                members,
+                limits: thresholds.then_some((limits, decode, pending, &self.reported_busy[..])),
+            };
+            let run = |i: usize| overlaps.run_at(i);
+            let free = match (self.config.cost_model, credit) {
+                (CostModel::Seed, None) => scan.lowest(rng, |i| cost(weight, n, run(i), active[i])),
+                (CostModel::Seed, Some(cr)) => {
+                    scan.lowest(rng, |i| cost(weight, n, run(i), active[i]) - weight * cr[i])
+                }
+                (CostModel::PrefillAware, None) => scan.lowest(rng, |i| {
+                    prefill_aware_cost(weight, n, run(i), pending[i], decode[i])
+                }),
+                (CostModel::PrefillAware, Some(cr)) => scan.lowest(rng, |i| {
+                    prefill_aware_cost(weight, n, run(i), pending[i], decode[i]) - weight * cr[i]
+                }),
+            };
+            if let Some(i) = free {
+                return i;
+            }
+            // Every worker is busy: the least loaded.
+            let mut rng = self.rng.clone();
+            let all = self.members.iter().map(|&i| (i, self.load_term(i) as f64));
+            let chosen = argmin_of(&mut rng, all).unwrap_or(self.members[0]);
+            self.rng = rng;
+            return chosen;
+        }
+        // The spread of the costs of the workers not busy, in one pass that stores nothing.
+        let (mut min, mut max, mut free) = (f64::INFINITY, f64::NEG_INFINITY, 0usize);
+        for &i in &self.members {
+            if self.over(i, limits) {
+                continue;
+            }
+            let c = self.cost_at(weight, n, i);
+            // Branches rather than `f64::min`, whose chain of dependent instructions is slower;
+            // both skip NaN.
+            if c < min {
+                min = c;
+            }
+            if c > max {
+                max = c;
+            }
+            free += 1;
+        }
+        if free > EXACT_SAMPLING {
+            // By rejection: a uniformly drawn worker not busy, accepted with probability its
+            // weight (see `sample_softmax_rejection`).
+            let scale = t * (max - min);
+            if !(scale.is_finite() && scale > 0.0) {
+                // Equal costs: the lowest, ties broken at random (as below).
+                return self.lowest_free(weight, n, limits);
+            }
+            let m = self.members.len();
+            for _ in 0..REJECTION_TRIALS {
+                let k = self.uniform(m);
+                let i = self.members[k];
+                let w = if self.over(i, limits) {
+                    0.0
+                } else {
+                    (-(self.cost_at(weight, n, i) - min) / scale).exp()
+                };
+                if unit(&mut self.rng) < w {
+                    return i;
+                }
+            }
+        }
         let mut eligible = std::mem::take(&mut self.eligible);
         let mut costs = std::mem::take(&mut self.costs);
         eligible.clear();
         costs.clear();
-        let thresholds = self.config.busy.is_some();
-        if thresholds {
-            eligible.extend(self.members.iter().copied().filter(|&i| !self.is_busy(i)));
+        for &i in &self.members {
+            if !self.over(i, limits) {
+                eligible.push(i);
+                costs.push(self.cost_at(weight, n, i));
+            }
         }
-        let all_busy = thresholds && eligible.is_empty();
-        if eligible.is_empty() {
+        let k = if eligible.is_empty() {
             eligible.extend_from_slice(&self.members);
-        }
-        let k = if all_busy {
             costs.extend(eligible.iter().map(|&i| self.load_term(i) as f64));
             argmin(&mut self.rng, costs.iter().copied())
         } else {
-            costs.extend(eligible.iter().map(|&i| self.cost_at(weight, n, i)));
-            let t = self.config.temperature;
-            let u = if t > 0.0 {
-                Some((self.rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64)
-            } else {
-                None
-            };
-            match u.and_then(|u| sample_softmax(&mut costs, t, u)) {
+            let u = unit(&mut self.rng);
+            match sample_softmax(&mut costs, t, u) {
                 Some(k) => k,
                 // Not sampled: the costs are intact.
                 None => argmin(&mut self.rng, costs.iter().copied()),
@@ -1235,6 +1350,20 @@ impl Router {
         let chosen = eligible[k];
         self.eligible = eligible;
         self.costs = costs;
+        chosen
+    }
+
+    /// The lowest cost among the workers not busy under `limits` (some are), ties broken at
+    /// random.
+    fn lowest_free(&mut self, weight: f64, n: usize, limits: (usize, usize)) -> usize {
+        let mut rng = self.rng.clone();
+        let free = self
+            .members
+            .iter()
+            .filter(|&&i| !self.over(i, limits))
+            .map(|&i| (i, self.cost_at(weight, n, i)));
+        let chosen = argmin_of(&mut rng, free).unwrap_or(self.members[0]);
+        self.rng = rng;
         chosen
     }
 
@@ -1249,25 +1378,204 @@ impl Router {
     }
 }
 
-/// A worker's cost under `model`, from its load (active, pending prefill, decode blocks).
+/// Up to this many candidates, temperature sampling computes every candidate's weight
+/// ([`sample_softmax`]). Above, it samples by rejection: a worker drawn uniformly (a busy one
+/// weighs 0) is accepted with probability its weight `exp(−(cost − min) / (t × (max − min)))`,
+/// at most 1, so a trial costs one weight instead of all of them. The accepted worker follows
+/// the same distribution; after [`REJECTION_TRIALS`] rejections (a low temperature, where
+/// most weights are tiny) it falls back to computing every weight, which draws from it too.
+const EXACT_SAMPLING: usize = 16;
+
+/// A uniform draw in [0, 1) from `rng` (53 bits).
+#[inline]
+fn unit(rng: &mut Xoshiro256PlusPlus) -> f64 {
+    (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+}
+
 /// The position of the lowest of `values`, ties broken uniformly with `rng` (reservoir
 /// sampling: each tied position ends up chosen with probability 1/ties).
 #[inline]
 fn argmin(rng: &mut Xoshiro256PlusPlus, values: impl IntoIterator<Item = f64>) -> usize {
-    let mut best = f64::INFINITY;
+    let mut lowest = Lowest::default();
     let mut chosen = 0;
-    let mut ties = 0u64;
     for (k, c) in values.into_iter().enumerate() {
-        if c < best {
-            best = c;
+        if lowest.offer(rng, c) {
             chosen = k;
-            ties = 1;
-        } else if c == best {
-            ties += 1;
-            if rng.next_u64() % ties == 0 {
-                chosen = k;
-            }
         }
     }
     chosen
+}
+
+/// The running lowest value of a scan and how many values tie it.
+struct Lowest {
+    best: f64,
+    ties: u64,
+}
+
+impl Default for Lowest {
+    fn default() -> Self {
+        Lowest {
+            best: f64::INFINITY,
+            ties: 0,
+        }
+    }
+}
+
+impl Lowest {
+    /// Whether `c` becomes the choice: below the lowest so far, or tying it and drawn (each of
+    /// `ties` tied values ends up chosen with probability 1/ties).
+    #[inline]
+    fn offer(&mut self, rng: &mut Xoshiro256PlusPlus, c: f64) -> bool {
+        if c < self.best {
+            self.best = c;
+            self.ties = 1;
+            true
+        } else if c == self.best {
+            self.ties += 1;
+            rng.next_u64() % self.ties == 0
+        } else {
+            false
+        }
+    }
+}
+
+/// The workers a temperature-0 choice scans: `members`, less the busy ones when limits are set
+/// (busy: decode blocks above `limits.0`, pending prefill blocks above `limits.1`, or busy by
+/// what its engine reports).
+struct Scan<'a> {
+    members: &'a [usize],
+    #[allow(clippy::type_complexity)]
+    limits: Option<((usize, usize), &'a [usize], &'a [usize], &'a [bool])>,
+}
+
+impl Scan<'_> {
+    /// The worker of lowest `cost` among those not busy, ties broken as [`argmin`] does;
+    /// `None` when every worker is busy.
+    #[inline]
+    fn lowest(&self, rng: &mut Xoshiro256PlusPlus, cost: impl Fn(usize) -> f64) -> Option<usize> {
+        match self.limits {
+            None => argmin_of(rng, self.members.iter().map(|&i| (i, cost(i)))),
+            Some(((d, p), decode, pending, reported)) => argmin_of(
+                rng,
+                self.members
+                    .iter()
+                    .filter(|&&i| decode[i] <= d && pending[i] <= p && !reported[i])
+                    .map(|&i| (i, cost(i))),
+            ),
+        }
+    }
+}
+
+/// The item with the lowest value, ties broken as [`argmin`] does (the first item when no value
+/// is below infinity); `None` when there is no item.
+#[inline]
+fn argmin_of(
+    rng: &mut Xoshiro256PlusPlus,
+    values: impl IntoIterator<Item = (usize, f64)>,
+) -> Option<usize> {
+    let mut values = values.into_iter();
+    // The first item is the choice until a value beats infinity (or ties it).
+    let (first, c) = values.next()?;
+    let mut lowest = Lowest::default();
+    let mut chosen = first;
+    lowest.offer(rng, c);
+    for (x, c) in values {
+        if lowest.offer(rng, c) {
+            chosen = x;
+        }
+    }
+    Some(chosen)
+}
+
+/// Trials of temperature sampling by rejection before it falls back to computing every weight.
+const REJECTION_TRIALS: usize = 32;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The exact probabilities of `sample_softmax` for `costs` at temperature `t`.
+    fn softmax(costs: &[f64], t: f64) -> Vec<f64> {
+        let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+        let max = costs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let w: Vec<f64> = costs
+            .iter()
+            .map(|c| (-(c - min) / (t * (max - min))).exp())
+            .collect();
+        let total: f64 = w.iter().sum();
+        w.iter().map(|x| x / total).collect()
+    }
+
+    /// Rejection sampling (40 workers, above [`EXACT_SAMPLING`]) draws from the softmax: at
+    /// temperatures where most trials are accepted, and at a low one where it mostly falls back
+    /// to computing every weight.
+    #[test]
+    fn rejection_sampling_follows_the_softmax() {
+        let blocks: Vec<BlockHash> = (1..=10).map(BlockHash::new).collect();
+        // Worker w holds the first w % 11 blocks: cost 10 - w % 11 (nothing in flight).
+        let costs: Vec<f64> = (0..40u32).map(|w| f64::from(10 - w % 11)).collect();
+        for (t, seed) in [(0.5, 1), (2.0, 2), (0.05, 3)] {
+            let mut r = Router::builder().temperature(t).seed(seed).build().unwrap();
+            for w in 0..40u64 {
+                let id = WorkerId::new(w);
+                r.add_worker(id);
+                let held = (w % 11) as usize;
+                if held > 0 {
+                    let stored = KvEvent::Stored {
+                        parent: None,
+                        blocks: blocks[..held].to_vec(),
+                    };
+                    r.apply_event(id, 0, &stored).unwrap();
+                }
+            }
+            let want = softmax(&costs, t);
+            let trials = 100_000u32;
+            let mut got = vec![0u32; costs.len()];
+            for id in 0..u64::from(trials) {
+                let d = r.route(RequestId::new(id), &blocks, Role::Unified).unwrap();
+                r.finish(RequestId::new(id)).unwrap();
+                got[d.worker.get() as usize] += 1;
+            }
+            for (w, (&g, &p)) in got.iter().zip(&want).enumerate() {
+                let f = f64::from(g) / f64::from(trials);
+                // Five standard errors.
+                let tol = 5.0 * (p * (1.0 - p) / f64::from(trials)).sqrt() + 1e-9;
+                assert!((f - p).abs() <= tol, "t={t} worker {w}: {f} vs {p}");
+            }
+        }
+    }
+
+    /// A fleet of more workers than [`EXACT_SAMPLING`] samples by rejection: two seeds route
+    /// alike, and the lowest-cost worker wins most often.
+    #[test]
+    fn large_fleets_sample_by_rejection() {
+        let blocks: Vec<BlockHash> = (1..=10).map(BlockHash::new).collect();
+        let picks = |seed| {
+            let mut r = Router::builder()
+                .temperature(0.3)
+                .seed(seed)
+                .build()
+                .unwrap();
+            for w in 0..40 {
+                r.add_worker(WorkerId::new(w));
+            }
+            let stored = KvEvent::Stored {
+                parent: None,
+                blocks: blocks.clone(),
+            };
+            r.apply_event(WorkerId::new(5), 0, &stored).unwrap();
+            (0..2_000)
+                .map(|id| {
+                    let d = r.route(RequestId::new(id), &blocks, Role::Unified).unwrap();
+                    r.finish(RequestId::new(id)).unwrap();
+                    d.worker.get()
+                })
+                .collect::<Vec<_>>()
+        };
+        let a = picks(9);
+        assert_eq!(a, picks(9));
+        // Costs 0 (worker 5) and 10 (the 39 others): P(5) = 1 / (1 + 39 e^(-1/0.3)) = 0.418.
+        let to_5 = a.iter().filter(|&&w| w == 5).count() as f64 / a.len() as f64;
+        assert!((to_5 - 0.418).abs() < 0.05, "{to_5}");
+    }
 }

@@ -102,14 +102,22 @@ impl Router {
                     // On this router's clock, like its own predictions, so the expiry queue
                     // stays in order.
                     let lapses = self.now.saturating_add(predicted);
-                    for &b in blocks {
-                        if !self.index.holds(*worker, b) {
-                            load.predicted.insert(b, lapses);
-                            self.expiry.push_back((lapses, i, load.generation, b));
-                        }
+                    // Each run of blocks the index does not hold.
+                    let mut at = 0;
+                    while at < blocks.len() {
+                        let held = |b: &BlockHash| self.index.holds(*worker, *b);
+                        let start = at + blocks[at..].iter().take_while(|b| held(b)).count();
+                        let len = blocks[start..].iter().take_while(|b| !held(b)).count();
+                        load.predicted
+                            .add(start, &blocks[start..start + len], lapses);
+                        at = start + len;
                     }
+                    self.expiry.push_back((lapses, i, load.generation));
                 }
                 let generation = load.generation;
+                if !predicted.is_zero() {
+                    self.list_predicting(i);
+                }
                 self.remote.insert(
                     key,
                     Remote {
