@@ -357,26 +357,33 @@ impl<V: Vacant> BlockMap<V> {
         self.iter().map(|(_, v)| v)
     }
 
-    /// For a loop updating `keys` one by one: at every [`LOOKAHEAD`]-th position `at`, reads
-    /// the buckets of the next [`LOOKAHEAD`] keys. The reads do not depend on each other, so
-    /// their misses overlap, and the updates then find the lines in cache, where each update's
-    /// misses would otherwise be paid after the last.
+    /// For a loop updating `keys` one by one, called at every position `at` in order: starts
+    /// loading the buckets of the key [`LOOKAHEAD`] positions ahead (at position 0, of the first
+    /// [`LOOKAHEAD`] keys), so that each update finds its lines in cache, where its misses
+    /// would otherwise be paid after the last update's. With a prefetch hint the window slides
+    /// key by key, every key's lines requested as long before its update; without one, every
+    /// [`LOOKAHEAD`]-th position reads one word of each of the next keys' lines (reads that do
+    /// not depend on each other, so their misses overlap).
     #[inline]
     pub(crate) fn warm_ahead(&self, keys: &[BlockHash], at: usize) {
-        if at % LOOKAHEAD == 0 {
-            if self.buckets.is_empty() {
-                return;
+        if self.buckets.is_empty() {
+            return;
+        }
+        if prefetch::HINTS {
+            let ahead = match at {
+                0 => &keys[..LOOKAHEAD.min(keys.len())],
+                _ => keys.get(at + LOOKAHEAD - 1..at + LOOKAHEAD).unwrap_or(&[]),
+            };
+            for k in ahead {
+                let (a, b) = self.buckets_of(k.get());
+                prefetch::prefetch(&self.buckets[a]);
+                prefetch::prefetch(&self.buckets[b]);
             }
-            // A prefetch hint where there is one; elsewhere one word of each line brings it in.
+        } else if at % LOOKAHEAD == 0 {
             let mut touched = 0;
             for k in &keys[at..(at + LOOKAHEAD).min(keys.len())] {
                 let (a, b) = self.buckets_of(k.get());
-                if prefetch::HINTS {
-                    prefetch::prefetch(&self.buckets[a]);
-                    prefetch::prefetch(&self.buckets[b]);
-                } else {
-                    touched ^= self.buckets[a].keys[0] ^ self.buckets[b].keys[0];
-                }
+                touched ^= self.buckets[a].keys[0] ^ self.buckets[b].keys[0];
             }
             std::hint::black_box(touched);
         }
