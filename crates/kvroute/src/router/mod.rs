@@ -721,9 +721,8 @@ impl Router {
         keys: &[ExtraKeys],
         role: Role,
     ) -> Result<Decision, Error> {
-        let hasher = salt.apply(BlockHasher::new(self.config.block_size));
         self.session = Some(session);
-        let d = self.route_hashed(&hasher, request_id, tokens, keys, role);
+        let d = self.route_tokens_keyed(request_id, tokens, salt, keys, role);
         self.session = None;
         d
     }

@@ -25,21 +25,6 @@ pub fn kvmock_bin() -> PathBuf {
     bin
 }
 
-/// Polls `ready` every 10 ms until it holds or `deadline` passes, and says whether it held:
-/// paces a test's own schedule (a fault every 2 s, arrivals at a rate), where nothing is awaited.
-pub fn try_until(deadline: std::time::Instant, mut ready: impl FnMut() -> bool) -> bool {
-    loop {
-        if ready() {
-            return true;
-        }
-        let now = std::time::Instant::now();
-        if now >= deadline {
-            return false;
-        }
-        std::thread::sleep((deadline - now).min(Duration::from_millis(10)));
-    }
-}
-
 pub fn wait_healthy(port: u16, child: &mut Child, what: &str) {
     eventually(
         &format!("{what} is healthy"),
