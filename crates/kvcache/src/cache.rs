@@ -1,9 +1,12 @@
 //! One engine's block cache.
 
+use std::collections::VecDeque;
+
 use crate::tier::HostTier;
 use kvblock::BlockHash;
 
 use crate::blockmap::BlockMap;
+use crate::prefetch;
 use crate::{Error, KvEvent};
 
 const NIL: u32 = u32::MAX;
@@ -12,8 +15,15 @@ const NIL: u32 = u32::MAX;
 const FREE: u32 = u32::MAX - 1;
 /// Slots are numbered with `u32`; an unbounded cache is bounded by that.
 const MAX_BLOCKS: usize = (u32::MAX - 1) as usize;
+/// The `stamp` of a slot that is not in the recency queue (pinned, or free).
+const UNLISTED: u32 = u32::MAX;
+/// Queue entries [`BlockCache::evict`] looks ahead of the one it examines, to start loading
+/// their slots: the queue is read in order, so their addresses are known long before.
+const EVICT_AHEAD: usize = 8;
 
+/// 32 bytes, aligned so that no slot spans two cache lines.
 #[derive(Debug, Clone)]
+#[repr(align(32))]
 struct Slot {
     hash: BlockHash,
     parent: u32,
@@ -26,8 +36,8 @@ struct Slot {
     /// A resident child (the last one a chain walk went to), or NIL: walking a chain tries it
     /// before hashing.
     hint: u32,
-    prev: u32,
-    next: u32,
+    /// The stamp of this block's entry in the recency queue, or [`UNLISTED`].
+    stamp: u32,
 }
 
 /// A resident block's place in a [`BlockCache`], as [`pin_into`](BlockCache::pin_into) and
@@ -92,10 +102,17 @@ pub struct BlockCache {
     map: BlockMap<u32>,
     slots: Vec<Slot>,
     free: Vec<u32>,
-    /// Least recently used end of the list of unpinned resident blocks.
-    head: u32,
-    /// Most recently used end.
-    tail: u32,
+    /// The unpinned resident blocks by recency, least recent first, as `(slot, stamp)`: a use
+    /// appends an entry and leaves the block's older one behind, stale (its stamp no longer
+    /// the slot's), so that a use writes one slot and the queue's end where a linked list
+    /// would rewrite its neighbours; eviction reads the queue in order, so it can load slots
+    /// ahead instead of chasing links. Stale entries go at the front as met, and all of them
+    /// when they outnumber the live ones ([`compact`](Self::compact)).
+    lru: VecDeque<(u32, u32)>,
+    /// The next stamp: stamps grow along the queue.
+    clock: u32,
+    /// Blocks in the queue (resident, unpinned).
+    listed: usize,
     pinned: usize,
     /// Unpinned blocks with a pinned child: only misuse of `pin`/`unpin` on partial chains
     /// creates them, and while there are any, the evictable count takes the slow path.
@@ -118,8 +135,9 @@ impl BlockCache {
             map: BlockMap::with_max_load(4),
             slots: Vec::new(),
             free: Vec::new(),
-            head: NIL,
-            tail: NIL,
+            lru: VecDeque::new(),
+            clock: 0,
+            listed: 0,
             pinned: 0,
             broken: 0,
             events: Vec::new(),
@@ -369,8 +387,7 @@ impl BlockCache {
                 pins: 0,
                 pinned_children: 0,
                 hint: NIL,
-                prev: NIL,
-                next: NIL,
+                stamp: UNLISTED,
             };
             // The reserved slots past the end come in order.
             match self.slots.get_mut(s as usize) {
@@ -535,8 +552,9 @@ impl BlockCache {
         self.map.clear();
         self.slots.clear();
         self.free.clear();
-        self.head = NIL;
-        self.tail = NIL;
+        self.lru.clear();
+        self.clock = 0;
+        self.listed = 0;
         self.broken = 0;
         self.events.push(KvEvent::Cleared);
         Ok(n)
@@ -618,15 +636,9 @@ impl BlockCache {
         }
         let mut removed = Vec::with_capacity(n);
         for _ in 0..n {
-            // The list is ordered by recency; with whole-prefix pins its head is always a leaf.
-            let mut s = self.head;
-            while s != NIL && self.slots[s as usize].children > 0 {
-                s = self.slots[s as usize].next;
-            }
-            if s == NIL {
+            let Some(s) = self.lru_leaf() else {
                 break; // unreachable after the caller's check; nothing more to take
-            }
-            self.unlink(s);
+            };
             let slot = &self.slots[s as usize];
             let (hash, parent) = (slot.hash, slot.parent);
             if parent != NIL {
@@ -652,11 +664,43 @@ impl BlockCache {
         self.events.push(KvEvent::Removed { blocks: removed });
     }
 
+    /// Takes the least recent unpinned block that no resident block extends out of the queue
+    /// (with whole-prefix pins, the least recent of all is one), or `None`.
+    fn lru_leaf(&mut self) -> Option<u32> {
+        let mut i = 0;
+        while let Some(&(s, stamp)) = self.lru.get(i) {
+            if prefetch::HINTS {
+                if let Some(&(ahead, _)) = self.lru.get(i + EVICT_AHEAD) {
+                    prefetch::prefetch(&self.slots[ahead as usize]);
+                }
+            }
+            let slot = &self.slots[s as usize];
+            if slot.stamp != stamp {
+                // Stale: the block was used again, pinned or evicted since.
+                if i == 0 {
+                    self.lru.pop_front();
+                } else {
+                    i += 1;
+                }
+                continue;
+            }
+            if slot.children > 0 {
+                i += 1;
+                continue;
+            }
+            if i == 0 {
+                self.lru.pop_front();
+            }
+            self.unlink(s);
+            return Some(s);
+        }
+        None
+    }
+
     /// Makes the unpinned blocks of a chain, given by slot, the most recent, tail first.
     fn touch_slots(&mut self, slots: &[u32]) {
         for &s in slots.iter().rev() {
             if self.slots[s as usize].pins == 0 {
-                self.unlink(s);
                 self.push_mru(s);
             }
         }
@@ -705,54 +749,66 @@ impl BlockCache {
         }
     }
 
+    /// Takes block `s` out of the recency queue, if it is there: its entry goes stale, or
+    /// goes at once if it is the last (as when blocks just stored are pinned, head first).
     fn unlink(&mut self, s: u32) {
-        let (prev, next) = {
-            let slot = &self.slots[s as usize];
-            (slot.prev, slot.next)
-        };
-        if prev == NIL && next == NIL && self.head != s {
-            return; // not in the list
-        }
-        if prev == NIL {
-            self.head = next;
-        } else {
-            self.slots[prev as usize].next = next;
-        }
-        if next == NIL {
-            self.tail = prev;
-        } else {
-            self.slots[next as usize].prev = prev;
-        }
         let slot = &mut self.slots[s as usize];
-        slot.prev = NIL;
-        slot.next = NIL;
+        if slot.stamp != UNLISTED {
+            if self.lru.back() == Some(&(s, slot.stamp)) {
+                self.lru.pop_back();
+            }
+            slot.stamp = UNLISTED;
+            self.listed -= 1;
+        }
     }
 
+    /// Makes block `s` the most recent in the queue (its older entry, if any, goes stale).
     fn push_mru(&mut self, s: u32) {
-        let old = self.tail;
-        {
-            let slot = &mut self.slots[s as usize];
-            slot.prev = old;
-            slot.next = NIL;
+        if self.clock == UNLISTED || self.lru.len() > 2 * self.listed + 64 {
+            self.compact();
         }
-        if old == NIL {
-            self.head = s;
-        } else {
-            self.slots[old as usize].next = s;
+        let slot = &mut self.slots[s as usize];
+        if slot.stamp == UNLISTED {
+            self.listed += 1;
         }
-        self.tail = s;
+        slot.stamp = self.clock;
+        self.lru.push_back((s, self.clock));
+        self.clock += 1;
+    }
+
+    /// Drops the queue's stale entries and renumbers the rest from 0 in order, which keeps
+    /// the queue within about twice the blocks it lists and stamps below [`UNLISTED`] (the
+    /// live entries are at most the slots, fewer than it).
+    fn compact(&mut self) {
+        let slots = &mut self.slots;
+        let mut clock = 0;
+        self.lru.retain_mut(|(s, stamp)| {
+            let slot = &mut slots[*s as usize];
+            if slot.stamp != *stamp {
+                return false;
+            }
+            slot.stamp = clock;
+            *stamp = clock;
+            clock += 1;
+            true
+        });
+        self.clock = clock;
+    }
+
+    /// The live entries of the recency queue, least recent first.
+    fn listed_slots(&self) -> impl Iterator<Item = u32> + '_ {
+        self.lru
+            .iter()
+            .filter(|&&(s, stamp)| self.slots[s as usize].stamp == stamp)
+            .map(|&(s, _)| s)
     }
 
     /// Resident blocks from least to most recently used, pinned ones excluded. For tests.
     #[doc(hidden)]
     pub fn recency_order(&self) -> Vec<BlockHash> {
-        let mut out = Vec::new();
-        let mut s = self.head;
-        while s != NIL {
-            out.push(self.slots[s as usize].hash);
-            s = self.slots[s as usize].next;
-        }
-        out
+        self.listed_slots()
+            .map(|s| self.slots[s as usize].hash)
+            .collect()
     }
 
     /// Checks every internal invariant; property tests call it after every step.
@@ -825,22 +881,34 @@ impl BlockCache {
                 self.pinned, self.broken
             ));
         }
+        // The queue: stamps grow along it and stay below the clock; a slot's stamp is that of
+        // one entry exactly when it is resident and unpinned.
+        let mut last = None;
+        for &(s, stamp) in &self.lru {
+            if self.slots.get(s as usize).is_none() {
+                return Err(format!("queue entry names slot {s}, past the end"));
+            }
+            if last.is_some_and(|l| stamp <= l) || stamp >= self.clock {
+                return Err(format!("queue stamps out of order at slot {s}"));
+            }
+            last = Some(stamp);
+        }
         let mut listed = 0;
-        let (mut s, mut prev) = (self.head, NIL);
-        while s != NIL {
-            let slot = self.slots.get(s as usize).ok_or("list points outside")?;
-            if !resident[s as usize] || slot.pins > 0 || slot.prev != prev {
-                return Err(format!("list entry {} is wrong", slot.hash));
+        for s in self.listed_slots() {
+            if !resident[s as usize] || self.slots[s as usize].pins > 0 {
+                return Err(format!("queue lists {}", self.slots[s as usize].hash));
             }
             listed += 1;
-            if listed > n {
-                return Err("list has a cycle".into());
-            }
-            prev = s;
-            s = slot.next;
         }
-        if prev != self.tail || listed != self.map.len() - self.pinned {
-            return Err("list does not hold exactly the unpinned blocks".into());
+        let unpinned = (0..n).filter(|&s| resident[s] && self.slots[s].pins == 0);
+        if unpinned.clone().any(|s| self.slots[s].stamp == UNLISTED)
+            || listed != self.map.len() - self.pinned
+            || listed != self.listed
+        {
+            return Err("the queue does not hold exactly the unpinned blocks".into());
+        }
+        if (0..n).any(|s| !resident[s] && self.slots[s].stamp != UNLISTED) {
+            return Err("a free slot is listed".into());
         }
         Ok(())
     }
@@ -996,6 +1064,45 @@ mod tests {
         assert_eq!(c.pin_count(q[0]), 1);
         c.pin_slots(&[SlotId(7)]); // no such slot: skipped
         c.check_invariants().unwrap();
+    }
+
+    /// The recency queue through many compactions and a clock run up to its end: the order
+    /// stays a naive list's (a use moves a block to the back, eviction takes the front).
+    #[test]
+    fn recency_survives_compaction_and_the_clock_running_out() {
+        let mut c = BlockCache::new(Some(4));
+        let mut model: Vec<BlockHash> = Vec::new();
+        let mut rng = 7u64;
+        let steps = if cfg!(miri) { 600 } else { 5_000 };
+        for step in 0..steps {
+            if step == 100 {
+                // As if billions of uses had gone by: the next few run the clock out.
+                let live: Vec<u32> = c.listed_slots().collect();
+                c.lru.clear();
+                for (i, &s) in live.iter().enumerate() {
+                    let stamp = UNLISTED - 8 + i as u32;
+                    c.slots[s as usize].stamp = stamp;
+                    c.lru.push_back((s, stamp));
+                }
+                c.clock = UNLISTED - 8 + live.len() as u32;
+            }
+            rng = rng
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            // Seven blocks for four places, then four: uses without evictions, whose stale
+            // entries only compaction takes.
+            let b = BlockHash::new((rng >> 33) % if step < steps / 2 { 7 } else { 4 });
+            c.insert(&[b]).unwrap();
+            model.retain(|&x| x != b);
+            model.push(b);
+            if model.len() > 4 {
+                model.remove(0);
+            }
+            assert_eq!(c.recency_order(), model, "step {step}");
+            c.check_invariants().unwrap();
+            assert!(c.lru.len() <= 2 * c.listed + 65);
+        }
+        assert!(c.clock < steps as u32, "the clock started again from 0");
     }
 
     proptest! {
