@@ -10,6 +10,13 @@ use crate::trace::Trace;
 
 /// Token ids are drawn below this, like a real tokenizer's vocabulary.
 const VOCAB: u64 = 128_000;
+/// From this many synthetic requests on, they are drawn on a thread of their own (where the
+/// machine has a second core): drawing and hashing each prompt's tokens is a tenth of a long
+/// run, and the simulation needs the requests only in order.
+const AHEAD_FROM: usize = 4_096;
+/// Requests the drawing thread sends at once, and batches it may be ahead by.
+const AHEAD_BATCH: usize = 64;
+const AHEAD_BATCHES: usize = 8;
 
 /// One request as the workload produces it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -73,9 +80,11 @@ impl Arrivals {
 }
 
 /// Where a run's requests come from.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(crate) enum Workload {
     Synthetic(Box<Synthetic>),
+    /// The synthetic requests, drawn on another thread.
+    Ahead(Ahead),
     Trace(Replay),
 }
 
@@ -83,13 +92,22 @@ impl Workload {
     pub(crate) fn new(cfg: &SimConfig) -> Self {
         match &cfg.trace {
             Some(t) => Workload::Trace(Replay::new(cfg, Arc::clone(t))),
-            None => Workload::Synthetic(Box::new(Synthetic::new(cfg))),
+            None => {
+                let synthetic = Synthetic::new(cfg);
+                let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+                if cfg.num_requests >= AHEAD_FROM && cores > 1 {
+                    Workload::Ahead(Ahead::spawn(synthetic))
+                } else {
+                    Workload::Synthetic(Box::new(synthetic))
+                }
+            }
         }
     }
 
     pub(crate) fn next_request(&mut self) -> Option<RequestSpec> {
         match self {
             Workload::Synthetic(s) => s.next_request(),
+            Workload::Ahead(a) => a.next_request(),
             Workload::Trace(t) => t.next_request(),
         }
     }
@@ -97,6 +115,7 @@ impl Workload {
     pub(crate) fn describe(&self) -> String {
         match self {
             Workload::Synthetic(s) => s.describe(),
+            Workload::Ahead(a) => a.describe.clone(),
             Workload::Trace(t) => t.describe(),
         }
     }
@@ -117,6 +136,58 @@ impl Workload {
             d.push_str(&format!(", closed loop at concurrency {n}"));
         }
         d
+    }
+}
+
+/// A [`Synthetic`] workload drawn on a thread of its own, a few batches ahead of the
+/// simulation: the same requests in the same order, so the run is the same.
+#[derive(Debug)]
+pub(crate) struct Ahead {
+    rx: std::sync::mpsc::Receiver<Vec<RequestSpec>>,
+    batch: std::vec::IntoIter<RequestSpec>,
+    describe: String,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Ahead {
+    fn spawn(mut synthetic: Synthetic) -> Self {
+        let describe = synthetic.describe();
+        let (tx, rx) = std::sync::mpsc::sync_channel(AHEAD_BATCHES);
+        // The thread ends after the last request, or when the run drops the receiver.
+        let thread = std::thread::spawn(move || loop {
+            let batch: Vec<RequestSpec> = std::iter::from_fn(|| synthetic.next_request())
+                .take(AHEAD_BATCH)
+                .collect();
+            let last = batch.len() < AHEAD_BATCH;
+            if tx.send(batch).is_err() || last {
+                break;
+            }
+        });
+        Ahead {
+            rx,
+            batch: Vec::new().into_iter(),
+            describe,
+            thread: Some(thread),
+        }
+    }
+
+    fn next_request(&mut self) -> Option<RequestSpec> {
+        loop {
+            if let Some(r) = self.batch.next() {
+                return Some(r);
+            }
+            match self.rx.recv() {
+                Ok(batch) => self.batch = batch.into_iter(),
+                Err(_) => {
+                    // The thread is done: it sent every request, or it panicked, which the
+                    // run must not take for the end of the workload.
+                    if let Some(Err(panic)) = self.thread.take().map(|t| t.join()) {
+                        std::panic::resume_unwind(panic);
+                    }
+                    return None;
+                }
+            }
+        }
     }
 }
 
@@ -408,6 +479,40 @@ fn synthetic_sessions(cfg: &SimConfig, n: usize) -> Vec<Turn> {
 mod tests {
     use super::*;
     use kvblock::BlockSize;
+
+    /// Drawn on a thread of their own, the requests are the same, in the same order, whether
+    /// their number fills the last batch or not; dropping the run early stops the thread.
+    #[test]
+    fn requests_drawn_ahead_are_the_same() {
+        for n in [0, 1, AHEAD_BATCH, 3 * AHEAD_BATCH + 5] {
+            let cfg = SimConfig {
+                num_requests: n,
+                input_len: 300,
+                ..SimConfig::default()
+            };
+            let mut plain = Synthetic::new(&cfg);
+            let mut ahead = Ahead::spawn(Synthetic::new(&cfg));
+            let want: Vec<RequestSpec> = std::iter::from_fn(|| plain.next_request()).collect();
+            let got: Vec<RequestSpec> = std::iter::from_fn(|| ahead.next_request()).collect();
+            assert_eq!((got.len(), &got), (n, &want));
+            assert_eq!(ahead.next_request(), None);
+            assert_eq!(ahead.describe, plain.describe());
+        }
+        let cfg = SimConfig {
+            num_requests: 100 * AHEAD_BATCH,
+            ..SimConfig::default()
+        };
+        let mut ahead = Ahead::spawn(Synthetic::new(&cfg));
+        assert!(ahead.next_request().is_some());
+        let thread = ahead.thread.take().unwrap();
+        drop(ahead);
+        thread.join().unwrap();
+        // The workload a long run uses is this one.
+        assert!(
+            matches!(Workload::new(&cfg), Workload::Ahead(_))
+                || std::thread::available_parallelism().map_or(true, |n| n.get() == 1)
+        );
+    }
 
     #[test]
     fn requests_share_exactly_their_prefix_blocks() {
