@@ -17,9 +17,10 @@ const FREE: u32 = u32::MAX - 1;
 const MAX_BLOCKS: usize = (u32::MAX - 1) as usize;
 /// The `stamp` of a slot that is not in the recency queue (pinned, or free).
 const UNLISTED: u32 = u32::MAX;
-/// Queue entries [`BlockCache::evict`] looks ahead of the one it examines, to start loading
-/// their slots: the queue is read in order, so their addresses are known long before.
-const EVICT_AHEAD: usize = 8;
+/// How far ahead of the slot it examines a walk over known slots starts loading one: eviction
+/// reads the recency queue in order, and a release has the request's slots, so their
+/// addresses are known long before their cold lines are needed.
+const SLOTS_AHEAD: usize = 8;
 
 /// 32 bytes, aligned so that no slot spans two cache lines.
 #[derive(Debug, Clone)]
@@ -454,6 +455,15 @@ impl BlockCache {
         scratch.clear();
         let mut prev = None;
         for (i, h) in chain.iter().enumerate() {
+            if prefetch::HINTS {
+                // The slots are known ahead; those of a long-running request are cold.
+                if let Some(x) = slots
+                    .get(i + SLOTS_AHEAD)
+                    .and_then(|&SlotId(c)| self.slots.get(c as usize))
+                {
+                    prefetch::prefetch(x);
+                }
+            }
             let known = slots.get(i).map(|&SlotId(c)| c).filter(|&c| {
                 self.slots
                     .get(c as usize)
@@ -670,7 +680,7 @@ impl BlockCache {
         let mut i = 0;
         while let Some(&(s, stamp)) = self.lru.get(i) {
             if prefetch::HINTS {
-                if let Some(&(ahead, _)) = self.lru.get(i + EVICT_AHEAD) {
+                if let Some(&(ahead, _)) = self.lru.get(i + SLOTS_AHEAD) {
                     prefetch::prefetch(&self.slots[ahead as usize]);
                 }
             }
