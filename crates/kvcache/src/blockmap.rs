@@ -197,22 +197,33 @@ impl<V: Vacant> BlockMap<V> {
     /// whether it stored.
     #[inline]
     pub(crate) fn insert_absent(&mut self, key: BlockHash, val: V) -> bool {
+        self.get_or_insert(key, val).is_none()
+    }
+
+    /// The value of `key`, to change in place (not to [`Vacant::VACANT`]); or, when `key` is
+    /// absent, `None` after storing `val` (not [`Vacant::VACANT`]) under it. One pass over the
+    /// key's two lines, where a lookup and then an insert would make two.
+    #[inline]
+    pub(crate) fn get_or_insert(&mut self, key: BlockHash, val: V) -> Option<&mut V> {
         let k = key.get();
-        // The common case in one pass over the two lines: absent, no growth, a free slot.
         if (self.len + 1) * 8 <= self.buckets.len() * WAYS * self.max_load {
             let (a, b) = self.buckets_of(k);
-            if self.buckets[a].find(k).is_some() || self.buckets[b].find(k).is_some() {
-                return false;
+            let found = match self.buckets[a].find(k) {
+                Some(w) => Some((a, w)),
+                None => self.buckets[b].find(k).map(|w| (b, w)),
+            };
+            if let Some((at, w)) = found {
+                return Some(&mut self.buckets[at].vals[w]);
             }
             if self.put_in_emptier(a, b, k, val) {
                 self.len += 1;
-                return true;
+                return None;
             }
-        } else if self.position(k).is_some() {
-            return false;
+        } else if let Some((at, w)) = self.position(k) {
+            return Some(&mut self.buckets[at].vals[w]);
         }
         self.insert_vacant(key, val);
-        true
+        None
     }
 
     /// Stores `val` (not [`Vacant::VACANT`]) under `key`, which must be absent (the caller has
@@ -437,6 +448,8 @@ mod tests {
         UpdateOrRemove(u64, u32),
         /// Stores only if absent.
         InsertAbsent(u64, u32),
+        /// Adds one to the value if present, else stores.
+        GetOrInsert(u64, u32),
         Clear,
     }
 
@@ -456,6 +469,7 @@ mod tests {
             2 => (key(), 0u32..1000).prop_map(|(k, v)| Op::Update(k, v)),
             2 => (key(), 0u32..1000).prop_map(|(k, v)| Op::UpdateOrRemove(k, v)),
             4 => (key(), 0u32..1000).prop_map(|(k, v)| Op::InsertAbsent(k, v)),
+            4 => (key(), 0u32..1000).prop_map(|(k, v)| Op::GetOrInsert(k, v)),
             1 => Just(Op::Clear),
             1 => Just(Op::Retain),
         ]
@@ -507,6 +521,23 @@ mod tests {
                             model.insert(k, v);
                         }
                         prop_assert_eq!(map.insert_absent(BlockHash::new(k), v), absent);
+                    }
+                    Op::GetOrInsert(k, v) => {
+                        let got = map.get_or_insert(BlockHash::new(k), v).map(|x| {
+                            *x += 1;
+                            *x
+                        });
+                        let want = match model.get_mut(&k) {
+                            Some(x) => {
+                                *x += 1;
+                                Some(*x)
+                            }
+                            None => {
+                                model.insert(k, v);
+                                None
+                            }
+                        };
+                        prop_assert_eq!(got, want);
                     }
                     Op::Clear => {
                         map.clear();

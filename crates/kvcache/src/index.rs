@@ -918,12 +918,13 @@ fn add_holder(
     idx: u32,
     hint: usize,
 ) -> (bool, Option<usize>) {
-    if let Some(set) = blocks.get_mut(&b) {
-        let held = set.run_hint();
-        return (set.insert(idx, spill), Some(held));
+    match blocks.get_or_insert(b, WorkerSet::single(idx).with_run_hint(hint)) {
+        Some(set) => {
+            let held = set.run_hint();
+            (set.insert(idx, spill), Some(held))
+        }
+        None => (true, None),
     }
-    blocks.insert_vacant(b, WorkerSet::single(idx).with_run_hint(hint));
-    (true, None)
 }
 
 fn record(
