@@ -95,7 +95,8 @@ impl Workload {
             None => {
                 let synthetic = Synthetic::new(cfg);
                 let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-                if cfg.num_requests >= AHEAD_FROM && cores > 1 {
+                // A closed loop draws its turns from a plan of its own.
+                if cfg.num_requests >= AHEAD_FROM && cores > 1 && !cfg.closed_loop() {
                     Workload::Ahead(Ahead::spawn(synthetic))
                 } else {
                     Workload::Synthetic(Box::new(synthetic))
