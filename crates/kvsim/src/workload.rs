@@ -93,14 +93,15 @@ impl Workload {
         match &cfg.trace {
             Some(t) => Workload::Trace(Replay::new(cfg, Arc::clone(t))),
             None => {
-                let synthetic = Synthetic::new(cfg);
                 let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
                 // A closed loop draws its turns from a plan of its own.
                 if cfg.num_requests >= AHEAD_FROM && cores > 1 && !cfg.closed_loop() {
-                    Workload::Ahead(Ahead::spawn(synthetic))
-                } else {
-                    Workload::Synthetic(Box::new(synthetic))
+                    // Where no thread can be started, the run draws them itself.
+                    if let Some(ahead) = Ahead::spawn(Synthetic::new(cfg)) {
+                        return Workload::Ahead(ahead);
+                    }
                 }
+                Workload::Synthetic(Box::new(Synthetic::new(cfg)))
             }
         }
     }
@@ -151,25 +152,29 @@ pub(crate) struct Ahead {
 }
 
 impl Ahead {
-    fn spawn(mut synthetic: Synthetic) -> Self {
+    /// `None` if no thread can be started.
+    fn spawn(mut synthetic: Synthetic) -> Option<Self> {
         let describe = synthetic.describe();
         let (tx, rx) = std::sync::mpsc::sync_channel(AHEAD_BATCHES);
         // The thread ends after the last request, or when the run drops the receiver.
-        let thread = std::thread::spawn(move || loop {
-            let batch: Vec<RequestSpec> = std::iter::from_fn(|| synthetic.next_request())
-                .take(AHEAD_BATCH)
-                .collect();
-            let last = batch.len() < AHEAD_BATCH;
-            if tx.send(batch).is_err() || last {
-                break;
-            }
-        });
-        Ahead {
+        let thread = std::thread::Builder::new()
+            .name("kvsim-requests".into())
+            .spawn(move || loop {
+                let batch: Vec<RequestSpec> = std::iter::from_fn(|| synthetic.next_request())
+                    .take(AHEAD_BATCH)
+                    .collect();
+                let last = batch.len() < AHEAD_BATCH;
+                if tx.send(batch).is_err() || last {
+                    break;
+                }
+            })
+            .ok()?;
+        Some(Ahead {
             rx,
             batch: Vec::new().into_iter(),
             describe,
             thread: Some(thread),
-        }
+        })
     }
 
     fn next_request(&mut self) -> Option<RequestSpec> {
@@ -492,7 +497,7 @@ mod tests {
                 ..SimConfig::default()
             };
             let mut plain = Synthetic::new(&cfg);
-            let mut ahead = Ahead::spawn(Synthetic::new(&cfg));
+            let mut ahead = Ahead::spawn(Synthetic::new(&cfg)).unwrap();
             let want: Vec<RequestSpec> = std::iter::from_fn(|| plain.next_request()).collect();
             let got: Vec<RequestSpec> = std::iter::from_fn(|| ahead.next_request()).collect();
             assert_eq!((got.len(), &got), (n, &want));
@@ -503,7 +508,7 @@ mod tests {
             num_requests: 100 * AHEAD_BATCH,
             ..SimConfig::default()
         };
-        let mut ahead = Ahead::spawn(Synthetic::new(&cfg));
+        let mut ahead = Ahead::spawn(Synthetic::new(&cfg)).unwrap();
         assert!(ahead.next_request().is_some());
         let thread = ahead.thread.take().unwrap();
         drop(ahead);
