@@ -704,10 +704,7 @@ impl Router {
         blocks: &[BlockHash],
         role: Role,
     ) -> Result<Decision, Error> {
-        self.session = Some(session);
-        let d = self.route(request_id, blocks, role);
-        self.session = None;
-        d
+        self.in_session(session, |r| r.route(request_id, blocks, role))
     }
 
     /// [`route_tokens_keyed`](Self::route_tokens_keyed) for a turn of `session` (see
@@ -721,8 +718,15 @@ impl Router {
         keys: &[ExtraKeys],
         role: Role,
     ) -> Result<Decision, Error> {
+        self.in_session(session, |r| {
+            r.route_tokens_keyed(request_id, tokens, salt, keys, role)
+        })
+    }
+
+    /// Runs one route with `session` as the turn's session.
+    fn in_session<R>(&mut self, session: SessionId, route: impl FnOnce(&mut Self) -> R) -> R {
         self.session = Some(session);
-        let d = self.route_tokens_keyed(request_id, tokens, salt, keys, role);
+        let d = route(self);
         self.session = None;
         d
     }
