@@ -4,7 +4,7 @@ use kvblock::BlockHash;
 
 use crate::blockmap::BlockMap;
 use crate::hasher::Map;
-use crate::workerset::{Spill, WorkerSet, MAX_WORKERS};
+use crate::workerset::{List, Spill, WorkerSet, MAX_WORKERS};
 use crate::{Error, KvEvent, WorkerId};
 
 #[derive(Debug, Clone)]
@@ -872,6 +872,14 @@ impl CacheIndex {
             let words = set.words(&self.spill, &mut buf);
             if words.windows(2).any(|p| p[0].0 >= p[1].0) || words.iter().any(|p| p.1 == 0) {
                 return Err(format!("{h} has a malformed holder set"));
+            }
+            // Spilled only when it does not fit inline, and one word kept in its slot.
+            if let Err(i) = set.form() {
+                let list = &self.spill.lists[i as usize];
+                let narrow = matches!(words, [(_, b)] if b >> 32 == 0 || *b as u32 == 0);
+                if narrow || matches!(list, List::Many(v) if v.len() < 2) {
+                    return Err(format!("{h} has a holder list in the wrong form"));
+                }
             }
             for &(w, bits) in words {
                 for b in 0..64 {

@@ -11,7 +11,8 @@ use crate::blockmap::Vacant;
 ///   32..51 are the group, bits 0..32 its members. A block held by one worker, or by a few
 ///   neighbouring ones, stays inline and costs nothing more.
 /// - Spilled (bit 63 set): the low 32 bits index a [`Spill`] list, a sparse bitset over dense
-///   worker indices as sorted `(word, bits)` pairs, one word per 64 workers.
+///   worker indices as sorted `(word, bits)` pairs, one word per 64 workers; a list of one
+///   word sits in the [`Spill`]'s own array ([`List::One`]).
 /// - Either way bits 51..63 are the block's [`run_hint`](Self::run_hint), which changes no
 ///   answer, only where a query probes.
 ///
@@ -35,26 +36,109 @@ pub(crate) const GROUP_MASK: u64 = (1 << (HINT_SHIFT - 32)) - 1;
 /// Dense worker indices the sets can hold.
 pub(crate) const MAX_WORKERS: u32 = 1 << (HINT_SHIFT - 32 + 5);
 
-/// The holder lists of spilled [`WorkerSet`]s, with their free slots (kept allocated for reuse).
+/// The holders of one spilled [`WorkerSet`], as sorted `(word, bits)` pairs. A set within one
+/// word (up to 64 neighbouring workers: the common spill of a fleet of up to 64 that shares a
+/// prefix) is kept in its slot, so that reading it costs one access instead of a heap pointer's
+/// two; a wider one on the heap.
+#[derive(Debug, Clone)]
+pub(crate) enum List {
+    One((u32, u64)),
+    Many(Vec<(u32, u64)>),
+}
+
+impl List {
+    /// The pairs, sorted by word.
+    #[inline]
+    pub(crate) fn words(&self) -> &[(u32, u64)] {
+        match self {
+            List::One(pair) => std::slice::from_ref(pair),
+            List::Many(v) => v,
+        }
+    }
+
+    /// Sets `bit` in `word`; true if it was clear.
+    fn set(&mut self, word: u32, bit: u64) -> bool {
+        match self {
+            List::One((w, b)) if *w == word => {
+                let absent = *b & bit == 0;
+                *b |= bit;
+                absent
+            }
+            List::One(pair) => {
+                let (old, new) = (*pair, (word, bit));
+                *self = List::Many(if old.0 < word {
+                    vec![old, new]
+                } else {
+                    vec![new, old]
+                });
+                true
+            }
+            List::Many(v) => match v.binary_search_by_key(&word, |p| p.0) {
+                Ok(j) => {
+                    let absent = v[j].1 & bit == 0;
+                    v[j].1 |= bit;
+                    absent
+                }
+                Err(j) => {
+                    v.insert(j, (word, bit));
+                    true
+                }
+            },
+        }
+    }
+
+    /// Clears `bit` in `word` (a word left empty goes); true if it was set. A list left with
+    /// one word keeps it in its slot.
+    fn clear(&mut self, word: u32, bit: u64) -> bool {
+        match self {
+            List::One((w, b)) => {
+                let present = *w == word && *b & bit != 0;
+                if *w == word {
+                    *b &= !bit;
+                }
+                present
+            }
+            List::Many(v) => {
+                let Ok(j) = v.binary_search_by_key(&word, |p| p.0) else {
+                    return false;
+                };
+                let present = v[j].1 & bit != 0;
+                v[j].1 &= !bit;
+                if v[j].1 == 0 {
+                    v.remove(j);
+                }
+                if let [pair] = v[..] {
+                    *self = List::One(pair);
+                }
+                present
+            }
+        }
+    }
+}
+
+/// The holder lists of spilled [`WorkerSet`]s, with their free slots.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Spill {
-    pub(crate) lists: Vec<Vec<(u32, u64)>>,
+    pub(crate) lists: Vec<List>,
     pub(crate) free: Vec<u32>,
 }
 
 impl Spill {
-    pub(crate) fn alloc(&mut self) -> u32 {
+    pub(crate) fn alloc(&mut self, list: List) -> u32 {
         match self.free.pop() {
-            Some(i) => i,
+            Some(i) => {
+                self.lists[i as usize] = list;
+                i
+            }
             None => {
-                self.lists.push(Vec::new());
+                self.lists.push(list);
                 (self.lists.len() - 1) as u32
             }
         }
     }
 
     pub(crate) fn release(&mut self, i: u32) {
-        self.lists[i as usize].clear();
+        self.lists[i as usize] = List::One((0, 0));
         self.free.push(i);
     }
 }
@@ -100,7 +184,7 @@ impl WorkerSet {
         buf: &'a mut [(u32, u64); 1],
     ) -> &'a [(u32, u64)] {
         match self.form() {
-            Err(i) => &spill.lists[i as usize],
+            Err(i) => spill.lists[i as usize].words(),
             Ok((group, members)) => {
                 buf[0] = (group / 2, u64::from(members) << (32 * (group % 2)));
                 &buf[..]
@@ -112,7 +196,7 @@ impl WorkerSet {
         match self.form() {
             Ok((group, members)) => group == idx / 32 && members & (1 << (idx % 32)) != 0,
             Err(i) => {
-                let v = &spill.lists[i as usize];
+                let v = spill.lists[i as usize].words();
                 let (word, bit) = (idx / 64, 1u64 << (idx % 64));
                 v.binary_search_by_key(&word, |p| p.0)
                     .is_ok_and(|j| v[j].1 & bit != 0)
@@ -147,32 +231,15 @@ impl WorkerSet {
             }
             Ok((group, members)) => {
                 let old = (group / 2, u64::from(members) << (32 * (group % 2)));
-                let i = spill.alloc();
-                let v = &mut spill.lists[i as usize];
-                if old.0 == word {
-                    v.push((word, old.1 | bit));
-                } else if old.0 < word {
-                    v.extend([old, (word, bit)]);
-                } else {
-                    v.extend([(word, bit), old]);
-                }
-                *self = WorkerSet(SPILLED | u64::from(i));
+                let list = match old.0.cmp(&word) {
+                    std::cmp::Ordering::Equal => List::One((word, old.1 | bit)),
+                    std::cmp::Ordering::Less => List::Many(vec![old, (word, bit)]),
+                    std::cmp::Ordering::Greater => List::Many(vec![(word, bit), old]),
+                };
+                *self = WorkerSet(SPILLED | u64::from(spill.alloc(list)));
                 true
             }
-            Err(i) => {
-                let v = &mut spill.lists[i as usize];
-                match v.binary_search_by_key(&word, |p| p.0) {
-                    Ok(j) => {
-                        let absent = v[j].1 & bit == 0;
-                        v[j].1 |= bit;
-                        absent
-                    }
-                    Err(j) => {
-                        v.insert(j, (word, bit));
-                        true
-                    }
-                }
-            }
+            Err(i) => spill.lists[i as usize].set(word, bit),
         }
     }
 
@@ -189,17 +256,10 @@ impl WorkerSet {
             }
             Err(i) => {
                 let (word, bit) = (idx / 64, 1u64 << (idx % 64));
-                let v = &mut spill.lists[i as usize];
-                let Ok(j) = v.binary_search_by_key(&word, |p| p.0) else {
-                    return false;
-                };
-                let present = v[j].1 & bit != 0;
-                v[j].1 &= !bit;
-                if v[j].1 == 0 {
-                    v.remove(j);
-                }
-                match v[..] {
-                    [] => {
+                let list = &mut spill.lists[i as usize];
+                let present = list.clear(word, bit);
+                match *list.words() {
+                    [] | [(_, 0)] => {
                         spill.release(i);
                         *self = WorkerSet::EMPTY;
                     }

@@ -13,15 +13,24 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
 
     #[test]
-    fn index_matches_model(placeholders in prop::sample::select(vec![0u64, 30, 61]), ops in prop::collection::vec(op(), 1..100)) {
+    fn index_matches_model(layout in 0usize..4, ops in prop::collection::vec(op(), 1..100)) {
         let mut real = CacheIndex::new();
         let mut model = Model::default();
-        // Dense indices follow registration order: placeholders push the tested workers across
-        // the 32- and 64-worker boundaries of the holder sets.
+        // Dense indices follow registration order, and freed ones are reused last freed first:
+        // placeholders push the tested workers across the 32- and 64-worker boundaries of the
+        // holder sets. The last layout puts them at 31..34 and 64..68, so that one set can
+        // span both halves of a word and reach into the next word, then shrink back.
+        let (placeholders, freed): (u64, &[u64]) =
+            [(0, &[][..]), (30, &[]), (61, &[]), (70, &[67, 66, 65, 64, 33, 32, 31])][layout];
         for k in 0..placeholders {
             let w = WorkerId::new(10_000 + k);
             real.add_worker(w).unwrap();
             model.workers.entry(w).or_default();
+        }
+        for &k in freed {
+            let w = WorkerId::new(10_000 + k);
+            prop_assert!(real.remove_worker(w));
+            model.workers.remove(&w);
         }
         for op in &ops {
             if let Err(e) = model::step(&mut real, &mut model, op) {
