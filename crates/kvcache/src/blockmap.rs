@@ -400,6 +400,17 @@ impl<V: Vacant> BlockMap<V> {
         }
     }
 
+    /// Starts loading both lines of `key`, for a lookup that is coming (nothing without a
+    /// prefetch hint: a safe load would wait for the line here).
+    #[inline]
+    pub(crate) fn prefetch_key(&self, key: &BlockHash) {
+        if prefetch::HINTS && !self.buckets.is_empty() {
+            let (a, b) = self.buckets_of(key.get());
+            prefetch::prefetch(&self.buckets[a]);
+            prefetch::prefetch(&self.buckets[b]);
+        }
+    }
+
     /// Checks the table's own invariants (for tests): every entry in one of its buckets, each
     /// key once, the count right.
     #[cfg(test)]

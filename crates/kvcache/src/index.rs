@@ -170,7 +170,19 @@ pub struct CacheIndex {
     /// Trust that every `Removed` takes only blocks nothing held extends (see
     /// [`set_tail_first`](CacheIndex::set_tail_first)).
     tail_first: bool,
+    /// The run hints of recently stored chains' first blocks, [`HEADS`] of them (empty until
+    /// the first is stored), each tagged with a few bits of its block's hash: a query reads its
+    /// first block's guess here, in cache, and starts loading the probes that hint will send
+    /// it to with its first probe, instead of after it (see [`Self::head_hint`]).
+    heads: Vec<u16>,
 }
+
+/// Chain heads whose run hints [`CacheIndex`] keeps apart (32 KiB of them): a slot of a popular
+/// prompt's head stays in the CPU cache. Two heads may share a slot, the later one winning: a
+/// wrong guess costs only lines loaded for nothing.
+const HEADS: usize = 1 << 14;
+/// The bits of a [`CacheIndex::heads`] entry that hold the hint; the rest tag the block.
+const HEAD_HINT_BITS: u32 = 12;
 
 impl CacheIndex {
     /// An empty index.
@@ -315,6 +327,12 @@ impl CacheIndex {
                 }
                 st.blocks += out.stored;
                 self.pairs += out.stored;
+                if parent.is_none() {
+                    if let Some(&head) = blocks.first() {
+                        let hint = self.blocks.get(&head).map_or(0, WorkerSet::run_hint);
+                        self.note_head(head, hint);
+                    }
+                }
             }
             KvEvent::Removed { blocks } => {
                 for (k, &b) in blocks.iter().enumerate() {
@@ -392,6 +410,34 @@ impl CacheIndex {
         st.blocks = 0;
     }
 
+    /// A head's slot in [`heads`](Self::heads) and its tag.
+    #[inline]
+    fn head_slot(head: BlockHash) -> (usize, u16) {
+        // Trace ids are small consecutive integers: mixed first.
+        let h = head.get().wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let slot = (h >> (64 - HEADS.trailing_zeros())) as usize;
+        let tag = (h as u16) << HEAD_HINT_BITS;
+        (slot, tag)
+    }
+
+    /// Remembers the run hint of `head`, a chain's first block.
+    fn note_head(&mut self, head: BlockHash, hint: usize) {
+        if self.heads.is_empty() {
+            self.heads = vec![0; HEADS];
+        }
+        let (slot, tag) = Self::head_slot(head);
+        self.heads[slot] = tag | hint.min((1 << HEAD_HINT_BITS) - 1) as u16;
+    }
+
+    /// The run hint last noted for `head` (a guess: another head may have taken its slot, or
+    /// the block may be gone), if any.
+    fn head_hint(&self, head: BlockHash) -> Option<usize> {
+        let (slot, tag) = Self::head_slot(head);
+        let e = *self.heads.get(slot)?;
+        let hint = usize::from(e & ((1 << HEAD_HINT_BITS) - 1));
+        (e & !((1 << HEAD_HINT_BITS) - 1) == tag && hint > 0).then_some(hint)
+    }
+
     /// For every worker, the leading run of `chain` it holds.
     pub fn overlaps(&self, chain: &[BlockHash]) -> Overlaps {
         let mut out = Overlaps::new();
@@ -407,9 +453,24 @@ impl CacheIndex {
     /// positions (doubling strides, then a binary search where the set shrinks) instead of every
     /// block. Workers that [may have holes](Self::may_have_holes) are walked block by block
     /// while they still match, so every run stays exact.
+    ///
+    /// The index also keeps the run hints of recently stored chains' first blocks apart, in
+    /// 32 KiB: a query starts loading the probes its head's hint points to along with the head
+    /// itself, so that when the guess holds, its second round of probes waits for no memory.
     pub fn overlaps_into(&self, chain: &[BlockHash], out: &mut Overlaps) {
         out.reset(self.workers.len());
-        let Some(first) = chain.first().and_then(|h| self.blocks.get(h)) else {
+        let Some(&head) = chain.first() else {
+            return;
+        };
+        // The probes the head's run hint will send [`jump`](Self::jump) to, loaded with the
+        // head's own: when the guess holds, the second round of probes finds them in cache.
+        if let Some(hint) = self.head_hint(head) {
+            let (n, end) = (chain.len(), hint.min(chain.len() - 1));
+            for p in [end, (end + 1).min(n - 1), n - 1] {
+                self.blocks.prefetch_key(&chain[p]);
+            }
+        }
+        let Some(first) = self.blocks.get(&head) else {
             return;
         };
         let mut buf = [(0, 0)];
@@ -950,5 +1011,38 @@ fn record(
             *slot = run;
             matched.push((st.id, run));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chain(ids: &[u64]) -> Vec<BlockHash> {
+        ids.iter().copied().map(BlockHash::new).collect()
+    }
+
+    /// A chain's first block keeps its run hint among the heads, as stored and as cut where
+    /// another chain branches off; a block stored under a parent is no head.
+    #[test]
+    fn heads_follow_the_first_blocks_run_hints() {
+        let mut index = CacheIndex::new();
+        let (a, b) = (WorkerId::new(1), WorkerId::new(2));
+        assert_eq!(index.head_hint(BlockHash::new(1)), None);
+        let stored = |blocks: &[u64], parent: Option<u64>| KvEvent::Stored {
+            parent: parent.map(BlockHash::new),
+            blocks: chain(blocks),
+        };
+        index.apply(a, 0, &stored(&[1, 2, 3, 4], None)).unwrap();
+        assert_eq!(index.head_hint(BlockHash::new(1)), Some(3));
+        index.apply(a, 1, &stored(&[5, 6], Some(4))).unwrap();
+        assert_eq!(index.head_hint(BlockHash::new(5)), None);
+        // Worker b shares two blocks and branches: the head's run is cut to end there.
+        index.apply(b, 0, &stored(&[1, 2, 9], None)).unwrap();
+        assert_eq!(index.head_hint(BlockHash::new(1)), Some(1));
+        assert_eq!(index.overlaps(&chain(&[1, 2, 3, 4, 5])).get(a), 5);
+        // A head with a run of one block has nothing to guess.
+        index.apply(b, 1, &stored(&[7], None)).unwrap();
+        assert_eq!(index.head_hint(BlockHash::new(7)), None);
     }
 }
