@@ -28,7 +28,9 @@
 //!   by value; a router queries hashes it has just computed, so they are in cache). "Varied"
 //!   rows run 2,048 different prompts (their blocks are mostly not in the CPU caches), "hot"
 //!   rows cycle 8 prompts. Each timed pass runs every query once; passes of the four indexers
-//!   are interleaved and rotated; the figure is the median of 9 passes.
+//!   are interleaved and rotated; the figure is the median of 9 passes. Each round (the four
+//!   indexers back to back, for a query pass or a build) also gives a ratio of its own: the
+//!   table shows their lowest and highest, which says how far the machine moved the row.
 //! - Memory: a counting global allocator, switched on only while an indexer is built with
 //!   events made and dropped one at a time: live bytes after minus before, over pairs.
 
@@ -524,6 +526,36 @@ struct Row {
     unit: Unit,
     /// Radix, jump, binary, ours.
     values: [f64; 4],
+    /// The lowest and highest [`ratio_of`] the rounds gave, each from the four figures of one
+    /// round (the indexers run back to back): how far the machine moved the ratio within the run.
+    /// `None` for memory, which does not vary.
+    paired: Option<(f64, f64)>,
+}
+
+/// kvkit against the best Dynamo figure of `values` (radix, jump, binary, ours), > 1 when kvkit
+/// is better.
+fn ratio_of(unit: &Unit, [r, j, b, o]: [f64; 4]) -> f64 {
+    match unit {
+        Unit::Micros | Unit::BytesPerPair => r.min(j).min(b) / o,
+        Unit::Rate => o / r.max(j).max(b),
+    }
+}
+
+/// A row of figures measured in rounds (`samples[k][round]` for indexer `k`): the medians, and
+/// the range of the rounds' own ratios.
+fn measured_row(label: String, unit: Unit, samples: &[Vec<f64>]) -> Row {
+    let rounds = samples[0].len();
+    let ratios: Vec<f64> = (0..rounds)
+        .map(|i| ratio_of(&unit, std::array::from_fn(|k| samples[k][i])))
+        .collect();
+    let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    Row {
+        label,
+        values: std::array::from_fn(|k| median(samples[k].clone())),
+        unit,
+        paired: Some((lo, hi)),
+    }
 }
 
 impl Row {
@@ -537,11 +569,12 @@ impl Row {
 
     /// kvkit against the best Dynamo figure, > 1 when kvkit is better.
     fn ratio(&self) -> f64 {
-        let [r, j, b, o] = self.values;
-        match self.unit {
-            Unit::Micros | Unit::BytesPerPair => r.min(j).min(b) / o,
-            Unit::Rate => o / r.max(j).max(b),
-        }
+        ratio_of(&self.unit, self.values)
+    }
+
+    fn paired_cell(&self) -> String {
+        self.paired
+            .map_or("—".into(), |(lo, hi)| format!("{lo:.2}–{hi:.2}×"))
     }
 
     fn target(&self) -> String {
@@ -755,9 +788,8 @@ fn run(fleets: &[(usize, usize)], evicted: bool, tail_first: bool, began: Instan
                     }
                 }
             }
-            let values = std::array::from_fn(|k| median(samples[k].clone()));
-            let row = Row {
-                label: format!(
+            let row = measured_row(
+                format!(
                     "query {}, {}, {workers} workers, {depth} blocks{}",
                     if full { "full-hit" } else { "partial-hit" },
                     if hot {
@@ -771,9 +803,9 @@ fn run(fleets: &[(usize, usize)], evicted: bool, tail_first: bool, began: Instan
                         (true, true) => ", every worker evicted once, kvkit trusting tail-first",
                     }
                 ),
-                unit: Unit::Micros,
-                values,
-            };
+                Unit::Micros,
+                &samples,
+            );
             if full {
                 full_rows.push((hot, row));
             } else {
@@ -791,15 +823,16 @@ fn run(fleets: &[(usize, usize)], evicted: bool, tail_first: bool, began: Instan
                 samples[k].push(ingest_rate(KINDS[k], &fleet));
             }
         }
-        ingest_rows.push(Row {
-            label: format!("ingest, {workers} workers, 16-block Stored events"),
-            unit: Unit::Rate,
-            values: std::array::from_fn(|k| median(samples[k].clone())),
-        });
+        ingest_rows.push(measured_row(
+            format!("ingest, {workers} workers, 16-block Stored events"),
+            Unit::Rate,
+            &samples,
+        ));
         memory_rows.push(Row {
             label: format!("memory, {workers} workers, bytes per (block, worker) pair"),
             unit: Unit::BytesPerPair,
             values: memory,
+            paired: None,
         });
 
         // The same chains on every worker: ingestion (in both orders) and memory.
@@ -817,11 +850,11 @@ fn run(fleets: &[(usize, usize)], evicted: bool, tail_first: bool, began: Instan
             } else {
                 "chain by chain"
             };
-            ingest_rows.push(Row {
-                label: format!("ingest, {workers} workers, all holding the same chains, {order}"),
-                unit: Unit::Rate,
-                values: std::array::from_fn(|k| median(samples[k].clone())),
-            });
+            ingest_rows.push(measured_row(
+                format!("ingest, {workers} workers, all holding the same chains, {order}"),
+                Unit::Rate,
+                &samples,
+            ));
             if !worker_major {
                 eprintln!(
                     "{workers} workers, same chains: {} chains of {depth} blocks held by every worker, {} pairs",
@@ -834,15 +867,16 @@ fn run(fleets: &[(usize, usize)], evicted: bool, tail_first: bool, began: Instan
                     ),
                     unit: Unit::BytesPerPair,
                     values: std::array::from_fn(|k| build_measured(KINDS[k], &same).1),
+                    paired: None,
                 });
             }
         }
     }
 
     println!(
-        "| row | Dynamo RadixTree | Dynamo PositionalIndexer jump {JUMP} | Dynamo PositionalIndexer binary | kvkit CacheIndex | kvkit / fastest Dynamo | target |"
+        "| row | Dynamo RadixTree | Dynamo PositionalIndexer jump {JUMP} | Dynamo PositionalIndexer binary | kvkit CacheIndex | kvkit / fastest Dynamo | rounds' own ratios | target |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---|");
     // Varied before hot, full-hit before partial-hit, fleets in order.
     let mut query_rows: Vec<(bool, bool, &Row)> = full_rows
         .iter()
@@ -858,13 +892,14 @@ fn run(fleets: &[(usize, usize)], evicted: bool, tail_first: bool, began: Instan
     {
         let [r, j, b, o] = row.values;
         println!(
-            "| {} | {} | {} | {} | {} | {:.2}× | {} |",
+            "| {} | {} | {} | {} | {} | {:.2}× | {} | {} |",
             row.label,
             row.cell(r),
             row.cell(j),
             row.cell(b),
             row.cell(o),
             row.ratio(),
+            row.paired_cell(),
             row.target()
         );
     }
@@ -872,7 +907,9 @@ fn run(fleets: &[(usize, usize)], evicted: bool, tail_first: bool, began: Instan
     println!(
         "Ratio > 1: kvkit is ahead (best Dynamo time or bytes over kvkit's; kvkit's rate over the \
          best Dynamo rate). Median of {QUERY_PASSES} interleaved passes of {QUERIES} queries, of \
-         {INGEST_RUNS} builds of 2^20 pairs; all four indexers checked to give identical overlaps."
+         {INGEST_RUNS} builds of 2^20 pairs; all four indexers checked to give identical overlaps. \
+         Rounds' own ratios: the lowest and highest ratio of one round's four figures (the \
+         indexers back to back), how far the machine moved the ratio within the run."
     );
     eprintln!("done in {:.0?}", began.elapsed());
 }
