@@ -6,6 +6,7 @@ use crate::blockmap::BlockMap;
 use crate::hasher::Map;
 use crate::workerset::{List, Spill, WorkerSet, MAX_WORKERS};
 use crate::{Error, KvEvent, WorkerId};
+use std::sync::atomic::{AtomicU16, Ordering::Relaxed};
 
 #[derive(Debug, Clone)]
 struct WorkerState {
@@ -170,19 +171,85 @@ pub struct CacheIndex {
     /// Trust that every `Removed` takes only blocks nothing held extends (see
     /// [`set_tail_first`](CacheIndex::set_tail_first)).
     tail_first: bool,
-    /// The run hints of recently stored chains' first blocks, [`HEADS`] of them (empty until
-    /// the first is stored), each tagged with a few bits of its block's hash: a query reads its
-    /// first block's guess here, in cache, and starts loading the probes that hint will send
-    /// it to with its first probe, instead of after it (see [`Self::head_hint`]).
-    heads: Vec<u16>,
+    /// The run hints of chains' first blocks, kept apart so that a query can read its guess
+    /// in cache and load its second round of probes with its first.
+    heads: Heads,
 }
 
-/// Chain heads whose run hints [`CacheIndex`] keeps apart (32 KiB of them): a slot of a popular
-/// prompt's head stays in the CPU cache. Two heads may share a slot, the later one winning: a
-/// wrong guess costs only lines loaded for nothing.
+/// The run hints of chains' first blocks ("heads"), [`HEADS`] slots of 16 bits (allocated with
+/// the first worker), each tagged with a few bits of its block's hash. Written when a chain is
+/// stored from its root and when a query reads a head (so a popular prompt's head keeps its
+/// slot, and an index restored from a snapshot learns its heads as it is queried). Two heads
+/// may share a slot, the later one winning: a wrong guess costs only lines loaded for nothing,
+/// since only which lines a query loads early depends on it. Atomic so that queries, which
+/// take `&self`, may write (relaxed: any value read is as good a guess).
+#[derive(Default)]
+struct Heads(Vec<AtomicU16>);
+
+/// Chain heads whose run hints [`Heads`] keeps (32 KiB of them): a slot of a popular prompt's
+/// head stays in the CPU cache.
 const HEADS: usize = 1 << 14;
-/// The bits of a [`CacheIndex::heads`] entry that hold the hint; the rest tag the block.
+/// The bits of a [`Heads`] slot that hold the hint; the rest tag the block.
 const HEAD_HINT_BITS: u32 = 12;
+const HEAD_HINT_MASK: u16 = (1 << HEAD_HINT_BITS) - 1;
+
+impl Heads {
+    fn allocate(&mut self) {
+        if self.0.is_empty() {
+            self.0 = (0..HEADS).map(|_| AtomicU16::new(0)).collect();
+        }
+    }
+
+    /// A head's slot and its tag.
+    #[inline]
+    fn slot(head: BlockHash) -> (usize, u16) {
+        // Trace ids are small consecutive integers: mixed first.
+        let h = head.get().wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let slot = (h >> (64 - HEADS.trailing_zeros())) as usize;
+        (slot, (h as u16) << HEAD_HINT_BITS)
+    }
+
+    /// Remembers `hint` as the run hint of `head`, a chain's first block.
+    #[inline]
+    fn note(&self, head: BlockHash, hint: usize) {
+        let (slot, tag) = Self::slot(head);
+        if let Some(e) = self.0.get(slot) {
+            let v = tag | hint.min(usize::from(HEAD_HINT_MASK)) as u16;
+            // Written only when it changes: a popular head's slot stays shared, not bounced
+            // between the cores of concurrent queries.
+            if e.load(Relaxed) != v {
+                e.store(v, Relaxed);
+            }
+        }
+    }
+
+    /// The run hint last noted for `head` (a guess: another head may have taken its slot, or
+    /// the block may be gone), if it is not 0.
+    #[inline]
+    fn hint(&self, head: BlockHash) -> Option<usize> {
+        let (slot, tag) = Self::slot(head);
+        let e = self.0.get(slot)?.load(Relaxed);
+        let hint = usize::from(e & HEAD_HINT_MASK);
+        (e & !HEAD_HINT_MASK == tag && hint > 0).then_some(hint)
+    }
+}
+
+impl Clone for Heads {
+    fn clone(&self) -> Self {
+        Heads(
+            self.0
+                .iter()
+                .map(|e| AtomicU16::new(e.load(Relaxed)))
+                .collect(),
+        )
+    }
+}
+
+impl std::fmt::Debug for Heads {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Heads({} slots)", self.0.len())
+    }
+}
 
 impl CacheIndex {
     /// An empty index.
@@ -222,6 +289,7 @@ impl CacheIndex {
         };
         self.ids.insert(worker, i);
         self.set_holey(i, false);
+        self.heads.allocate();
         Ok(i)
     }
 
@@ -330,7 +398,7 @@ impl CacheIndex {
                 if parent.is_none() {
                     if let Some(&head) = blocks.first() {
                         let hint = self.blocks.get(&head).map_or(0, WorkerSet::run_hint);
-                        self.note_head(head, hint);
+                        self.heads.note(head, hint);
                     }
                 }
             }
@@ -410,34 +478,6 @@ impl CacheIndex {
         st.blocks = 0;
     }
 
-    /// A head's slot in [`heads`](Self::heads) and its tag.
-    #[inline]
-    fn head_slot(head: BlockHash) -> (usize, u16) {
-        // Trace ids are small consecutive integers: mixed first.
-        let h = head.get().wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        let slot = (h >> (64 - HEADS.trailing_zeros())) as usize;
-        let tag = (h as u16) << HEAD_HINT_BITS;
-        (slot, tag)
-    }
-
-    /// Remembers the run hint of `head`, a chain's first block.
-    fn note_head(&mut self, head: BlockHash, hint: usize) {
-        if self.heads.is_empty() {
-            self.heads = vec![0; HEADS];
-        }
-        let (slot, tag) = Self::head_slot(head);
-        self.heads[slot] = tag | hint.min((1 << HEAD_HINT_BITS) - 1) as u16;
-    }
-
-    /// The run hint last noted for `head` (a guess: another head may have taken its slot, or
-    /// the block may be gone), if any.
-    fn head_hint(&self, head: BlockHash) -> Option<usize> {
-        let (slot, tag) = Self::head_slot(head);
-        let e = *self.heads.get(slot)?;
-        let hint = usize::from(e & ((1 << HEAD_HINT_BITS) - 1));
-        (e & !((1 << HEAD_HINT_BITS) - 1) == tag && hint > 0).then_some(hint)
-    }
-
     /// For every worker, the leading run of `chain` it holds.
     pub fn overlaps(&self, chain: &[BlockHash]) -> Overlaps {
         let mut out = Overlaps::new();
@@ -454,9 +494,10 @@ impl CacheIndex {
     /// block. Workers that [may have holes](Self::may_have_holes) are walked block by block
     /// while they still match, so every run stays exact.
     ///
-    /// The index also keeps the run hints of recently stored chains' first blocks apart, in
-    /// 32 KiB: a query starts loading the probes its head's hint points to along with the head
-    /// itself, so that when the guess holds, its second round of probes waits for no memory.
+    /// The index also keeps the run hints of chains' first blocks apart, in 32 KiB (noted as
+    /// chains are stored from their root, and as queries read them): a query starts loading
+    /// the probes its head's hint points to along with the head itself, so that when the guess
+    /// holds, its second round of probes waits for no memory.
     pub fn overlaps_into(&self, chain: &[BlockHash], out: &mut Overlaps) {
         out.reset(self.workers.len());
         let Some(&head) = chain.first() else {
@@ -464,7 +505,7 @@ impl CacheIndex {
         };
         // The probes the head's run hint will send [`jump`](Self::jump) to, loaded with the
         // head's own: when the guess holds, the second round of probes finds them in cache.
-        if let Some(hint) = self.head_hint(head) {
+        if let Some(hint) = self.heads.hint(head) {
             let (n, end) = (chain.len(), hint.min(chain.len() - 1));
             for p in [end, (end + 1).min(n - 1), n - 1] {
                 self.blocks.prefetch_key(&chain[p]);
@@ -473,6 +514,7 @@ impl CacheIndex {
         let Some(first) = self.blocks.get(&head) else {
             return;
         };
+        self.heads.note(head, first.run_hint());
         let mut buf = [(0, 0)];
         // Element by element: `extend_from_slice` of a slice whose length is not known calls
         // `memcpy`, most of the time for the one word of an inline set.
@@ -1023,26 +1065,34 @@ mod tests {
     }
 
     /// A chain's first block keeps its run hint among the heads, as stored and as cut where
-    /// another chain branches off; a block stored under a parent is no head.
+    /// another chain branches off, or as a query reads it; a block stored under a parent is no
+    /// head.
     #[test]
     fn heads_follow_the_first_blocks_run_hints() {
         let mut index = CacheIndex::new();
         let (a, b) = (WorkerId::new(1), WorkerId::new(2));
-        assert_eq!(index.head_hint(BlockHash::new(1)), None);
+        assert_eq!(index.heads.hint(BlockHash::new(1)), None);
         let stored = |blocks: &[u64], parent: Option<u64>| KvEvent::Stored {
             parent: parent.map(BlockHash::new),
             blocks: chain(blocks),
         };
         index.apply(a, 0, &stored(&[1, 2, 3, 4], None)).unwrap();
-        assert_eq!(index.head_hint(BlockHash::new(1)), Some(3));
+        assert_eq!(index.heads.hint(BlockHash::new(1)), Some(3));
         index.apply(a, 1, &stored(&[5, 6], Some(4))).unwrap();
-        assert_eq!(index.head_hint(BlockHash::new(5)), None);
+        assert_eq!(index.heads.hint(BlockHash::new(5)), None);
         // Worker b shares two blocks and branches: the head's run is cut to end there.
         index.apply(b, 0, &stored(&[1, 2, 9], None)).unwrap();
-        assert_eq!(index.head_hint(BlockHash::new(1)), Some(1));
+        assert_eq!(index.heads.hint(BlockHash::new(1)), Some(1));
         assert_eq!(index.overlaps(&chain(&[1, 2, 3, 4, 5])).get(a), 5);
         // A head with a run of one block has nothing to guess.
         index.apply(b, 1, &stored(&[7], None)).unwrap();
-        assert_eq!(index.head_hint(BlockHash::new(7)), None);
+        assert_eq!(index.heads.hint(BlockHash::new(7)), None);
+        // An index restored from a snapshot learns a head when a query reads it.
+        let restored = CacheIndex::restore(index.snapshot()).unwrap();
+        assert_eq!(restored.heads.hint(BlockHash::new(1)), None);
+        assert_eq!(restored.overlaps(&chain(&[1, 2, 3])).get(a), 3);
+        assert_eq!(restored.heads.hint(BlockHash::new(1)), Some(1));
+        // A clone keeps what its original learnt.
+        assert_eq!(restored.clone().heads.hint(BlockHash::new(1)), Some(1));
     }
 }
