@@ -386,9 +386,7 @@ impl<V: Vacant> BlockMap<V> {
                 _ => keys.get(at + LOOKAHEAD - 1..at + LOOKAHEAD).unwrap_or(&[]),
             };
             for k in ahead {
-                let (a, b) = self.buckets_of(k.get());
-                prefetch::prefetch(&self.buckets[a]);
-                prefetch::prefetch(&self.buckets[b]);
+                self.prefetch_key(k);
             }
         } else if at % LOOKAHEAD == 0 {
             let mut touched = 0;

@@ -4,7 +4,7 @@ use kvblock::BlockHash;
 
 use crate::blockmap::BlockMap;
 use crate::hasher::Map;
-use crate::workerset::{List, Spill, WorkerSet, MAX_WORKERS};
+use crate::workerset::{fits_inline, List, Spill, WorkerSet, MAX_WORKERS};
 use crate::{Error, KvEvent, WorkerId};
 use std::sync::atomic::{AtomicU16, Ordering::Relaxed};
 
@@ -979,7 +979,7 @@ impl CacheIndex {
             // Spilled only when it does not fit inline, and one word kept in its slot.
             if let Err(i) = set.form() {
                 let list = &self.spill.lists[i as usize];
-                let narrow = matches!(words, [(_, b)] if b >> 32 == 0 || *b as u32 == 0);
+                let narrow = matches!(words, [(_, b)] if fits_inline(*b));
                 if narrow || matches!(list, List::Many(v) if v.len() < 2) {
                     return Err(format!("{h} has a holder list in the wrong form"));
                 }

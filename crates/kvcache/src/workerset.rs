@@ -143,6 +143,13 @@ impl Spill {
     }
 }
 
+/// Whether the holders of one word fall in one of its halves (an aligned group of 32), so that
+/// their set is inline rather than spilled.
+#[inline]
+pub(crate) fn fits_inline(bits: u64) -> bool {
+    bits >> 32 == 0 || bits as u32 == 0
+}
+
 impl WorkerSet {
     pub(crate) const EMPTY: WorkerSet = WorkerSet(0);
 
@@ -263,7 +270,7 @@ impl WorkerSet {
                         spill.release(i);
                         *self = WorkerSet::EMPTY;
                     }
-                    [(w, b)] if b >> 32 == 0 || b as u32 == 0 => {
+                    [(w, b)] if fits_inline(b) => {
                         let (group, members) = if b >> 32 == 0 {
                             (w * 2, b as u32)
                         } else {
