@@ -166,7 +166,7 @@ impl<V: Vacant> BlockMap<V> {
 
     /// Applies `change` to the value of `key` and removes the entry unless `keep` says
     /// otherwise of the changed value. Returns what `change` returned (`None`: no such key).
-    #[inline]
+    #[inline(always)]
     pub(crate) fn update<R>(
         &mut self,
         key: &BlockHash,
@@ -203,7 +203,7 @@ impl<V: Vacant> BlockMap<V> {
     /// The value of `key`, to change in place (not to [`Vacant::VACANT`]); or, when `key` is
     /// absent, `None` after storing `val` (not [`Vacant::VACANT`]) under it. One pass over the
     /// key's two lines, where a lookup and then an insert would make two.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn get_or_insert(&mut self, key: BlockHash, val: V) -> Option<&mut V> {
         let k = key.get();
         if (self.len + 1) * 8 <= self.buckets.len() * WAYS * self.max_load {

@@ -1022,6 +1022,7 @@ impl CacheIndex {
 /// Records that the worker at `idx` holds `b`, with `hint` as its run hint if the block is new
 /// to the index. Returns whether the worker was not recorded yet, and the block's run hint if
 /// the index held it already.
+#[inline(always)]
 fn add_holder(
     blocks: &mut BlockMap<WorkerSet>,
     spill: &mut Spill,

@@ -212,7 +212,33 @@ impl WorkerSet {
     }
 
     /// Adds `idx`; true if it was absent. The run hint stays.
+    #[inline]
     pub(crate) fn insert(&mut self, idx: u32, spill: &mut Spill) -> bool {
+        // The two common cases inline (a worker joining its group's inline set, or a
+        // fleet-wide block's one-word list), where neither the form nor the hint changes.
+        let bit = 1u64 << (idx % 64);
+        match self.form() {
+            Ok((group, members)) if group == idx / 32 => {
+                let absent = members & (1 << (idx % 32)) == 0;
+                self.0 |= 1 << (idx % 32);
+                return absent;
+            }
+            Err(i) => {
+                if let Some(List::One((word, bits))) = spill.lists.get_mut(i as usize) {
+                    if *word == idx / 64 {
+                        let absent = *bits & bit == 0;
+                        *bits |= bit;
+                        return absent;
+                    }
+                }
+            }
+            Ok(_) => {}
+        }
+        self.insert_rare(idx, spill)
+    }
+
+    #[inline(never)]
+    fn insert_rare(&mut self, idx: u32, spill: &mut Spill) -> bool {
         let hint = self.run_hint();
         let absent = self.insert_member(idx, spill);
         *self = self.with_run_hint(hint);
@@ -220,7 +246,22 @@ impl WorkerSet {
     }
 
     /// Removes `idx`; true if it was present. The run hint stays.
+    #[inline]
     pub(crate) fn remove(&mut self, idx: u32, spill: &mut Spill) -> bool {
+        // An inline set inline: clearing a member changes neither the form nor the hint.
+        if let Ok((group, members)) = self.form() {
+            let bit = 1 << (idx % 32);
+            let present = group == idx / 32 && members & bit != 0;
+            if present {
+                self.0 &= !u64::from(bit);
+            }
+            return present;
+        }
+        self.remove_rare(idx, spill)
+    }
+
+    #[inline(never)]
+    fn remove_rare(&mut self, idx: u32, spill: &mut Spill) -> bool {
         let hint = self.run_hint();
         let present = self.remove_member(idx, spill);
         *self = self.with_run_hint(hint);
