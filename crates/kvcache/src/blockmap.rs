@@ -131,7 +131,7 @@ impl<V: Vacant> BlockMap<V> {
     }
 
     /// The bucket and way of `key`, if stored.
-    #[inline]
+    #[inline(always)]
     fn position(&self, key: u64) -> Option<(usize, usize)> {
         if self.buckets.is_empty() {
             return None;
@@ -145,7 +145,7 @@ impl<V: Vacant> BlockMap<V> {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     pub(crate) fn get(&self, key: &BlockHash) -> Option<V> {
         self.position(key.get())
             .map(|(b, w)| self.buckets[b].vals[w])
