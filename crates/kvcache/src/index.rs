@@ -633,7 +633,8 @@ impl CacheIndex {
         let mut at = [0usize; PROBES];
         let mut sets = [WorkerSet::EMPTY; PROBES];
         let mut count = 0;
-        // Positions first, then their probes in one loop: independent, so their misses overlap.
+        // Positions first, then all their lines requested at once: independent, so their
+        // misses overlap.
         let mut push = |p: usize, count: &mut usize| {
             if *count == 0 || at[*count - 1] < p {
                 at[*count] = p;
@@ -656,7 +657,20 @@ impl CacheIndex {
                 step *= 2;
             }
         }
-        for (set, &p) in sets.iter_mut().zip(&at[..count]) {
+        // The first two probes are read at once (with a run hint, the guessed end and the
+        // block after it: all a partial hit, the common query, needs). With a prefetch hint
+        // the rest are requested now and read only when the walk reaches them, so a partial
+        // hit does not wait for the last block's lines; without one, reading them is how
+        // they are requested.
+        let mut loaded = if crate::prefetch::HINTS {
+            count.min(2)
+        } else {
+            count
+        };
+        for &p in &at[loaded..count] {
+            self.blocks.prefetch_key(&chain[p]);
+        }
+        for (set, &p) in sets.iter_mut().zip(&at[..loaded]) {
             *set = self.holders_of(&chain[p]);
         }
         // Invariant: every active worker holds chain[..lo], and `lo_hint` is chain[lo - 1]'s
@@ -666,6 +680,10 @@ impl CacheIndex {
         let (mut lo, mut lo_hint) = (depth, hint);
         let mut k = 0;
         while k < count {
+            if k == loaded {
+                sets[k] = self.holders_of(&chain[at[k]]);
+                loaded += 1;
+            }
             if self.holds_all(&out.active, sets[k]) {
                 (lo, lo_hint) = (at[k] + 1, sets[k].run_hint());
                 k += 1;
