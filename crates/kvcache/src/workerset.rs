@@ -214,25 +214,29 @@ impl WorkerSet {
     /// Adds `idx`; true if it was absent. The run hint stays.
     #[inline]
     pub(crate) fn insert(&mut self, idx: u32, spill: &mut Spill) -> bool {
-        // The two common cases inline (a worker joining its group's inline set, or a
-        // fleet-wide block's one-word list), where neither the form nor the hint changes.
-        let bit = 1u64 << (idx % 64);
-        match self.form() {
+        // The common cases inline (a worker joining its group's inline set, or a spilled
+        // set's word that is already listed), where neither the form nor the hint changes.
+        let (word, bit) = (idx / 64, 1u64 << (idx % 64));
+        let bits = match self.form() {
             Ok((group, members)) if group == idx / 32 => {
                 let absent = members & (1 << (idx % 32)) == 0;
                 self.0 |= 1 << (idx % 32);
                 return absent;
             }
-            Err(i) => {
-                if let Some(List::One((word, bits))) = spill.lists.get_mut(i as usize) {
-                    if *word == idx / 64 {
-                        let absent = *bits & bit == 0;
-                        *bits |= bit;
-                        return absent;
-                    }
-                }
-            }
-            Ok(_) => {}
+            Err(i) => match spill.lists.get_mut(i as usize) {
+                Some(List::One((w, bits))) if *w == word => Some(bits),
+                Some(List::Many(v)) => match v.binary_search_by_key(&word, |p| p.0) {
+                    Ok(j) => Some(&mut v[j].1),
+                    Err(_) => None,
+                },
+                _ => None,
+            },
+            Ok(_) => None,
+        };
+        if let Some(bits) = bits {
+            let absent = *bits & bit == 0;
+            *bits |= bit;
+            return absent;
         }
         self.insert_rare(idx, spill)
     }
