@@ -1284,8 +1284,9 @@ impl Router {
             }
             // Every worker is busy: the least loaded.
             let mut rng = self.rng.clone();
-            let all = self.members.iter().map(|&i| (i, self.load_term(i) as f64));
-            let chosen = argmin_of(&mut rng, all).unwrap_or(self.members[0]);
+            let load = |i| self.load_term(i) as f64;
+            let chosen = lowest_of(&mut rng, &self.members, |_| true, load);
+            let chosen = chosen.unwrap_or(self.members[0]);
             self.rng = rng;
             return chosen;
         }
@@ -1360,14 +1361,12 @@ impl Router {
     /// random.
     fn lowest_free(&mut self, weight: f64, n: usize, limits: (usize, usize)) -> usize {
         let mut rng = self.rng.clone();
-        let free = self
-            .members
-            .iter()
-            .filter(|&&i| !self.over(i, limits))
-            .map(|&i| (i, self.cost_at(weight, n, i)));
-        let chosen = argmin_of(&mut rng, free).unwrap_or(self.members[0]);
+        let keep = |i| !self.over(i, limits);
+        let chosen = lowest_of(&mut rng, &self.members, keep, |i| {
+            self.cost_at(weight, n, i)
+        });
         self.rng = rng;
-        chosen
+        chosen.unwrap_or(self.members[0])
     }
 
     fn round_robin(&mut self) -> usize {
@@ -1457,37 +1456,42 @@ impl Scan<'_> {
     #[inline]
     fn lowest(&self, rng: &mut Xoshiro256PlusPlus, cost: impl Fn(usize) -> f64) -> Option<usize> {
         match self.limits {
-            None => argmin_of(rng, self.members.iter().map(|&i| (i, cost(i)))),
-            Some(((d, p), decode, pending, reported)) => argmin_of(
+            None => lowest_of(rng, self.members, |_| true, cost),
+            Some(((d, p), decode, pending, reported)) => lowest_of(
                 rng,
-                self.members
-                    .iter()
-                    .filter(|&&i| decode[i] <= d && pending[i] <= p && !reported[i])
-                    .map(|&i| (i, cost(i))),
+                self.members,
+                |i| decode[i] <= d && pending[i] <= p && !reported[i],
+                cost,
             ),
         }
     }
 }
 
-/// The item with the lowest value, ties broken as [`argmin`] does (the first item when no value
-/// is below infinity); `None` when there is no item.
+/// The worker of `members` that `keep` keeps with the lowest `cost`, ties broken as [`argmin`]
+/// does (the first one kept when no cost is below infinity); `None` when none is kept.
+///
+/// A plain loop rather than an iterator's `filter` and `map`, whose `next` (a loop of its own)
+/// the compiler leaves as a call per worker: at 1,024 workers that doubled a route with a busy
+/// threshold.
 #[inline]
-fn argmin_of(
+fn lowest_of(
     rng: &mut Xoshiro256PlusPlus,
-    values: impl IntoIterator<Item = (usize, f64)>,
+    members: &[usize],
+    keep: impl Fn(usize) -> bool,
+    cost: impl Fn(usize) -> f64,
 ) -> Option<usize> {
-    let mut values = values.into_iter();
-    // The first item is the choice until a value beats infinity (or ties it).
-    let (first, c) = values.next()?;
     let mut lowest = Lowest::default();
-    let mut chosen = first;
-    lowest.offer(rng, c);
-    for (x, c) in values {
-        if lowest.offer(rng, c) {
-            chosen = x;
+    let mut chosen = None;
+    for &i in members {
+        if !keep(i) {
+            continue;
+        }
+        // Offered first, so that every cost draws the same random numbers.
+        if lowest.offer(rng, cost(i)) || chosen.is_none() {
+            chosen = Some(i);
         }
     }
-    Some(chosen)
+    chosen
 }
 
 /// Trials of temperature sampling by rejection before it falls back to computing every weight.
