@@ -241,6 +241,7 @@ impl WorkerSet {
         self.insert_rare(idx, spill)
     }
 
+    /// [`insert`](Self::insert) where the set may change form (out of line: rare).
     #[inline(never)]
     fn insert_rare(&mut self, idx: u32, spill: &mut Spill) -> bool {
         let hint = self.run_hint();
@@ -252,7 +253,8 @@ impl WorkerSet {
     /// Removes `idx`; true if it was present. The run hint stays.
     #[inline]
     pub(crate) fn remove(&mut self, idx: u32, spill: &mut Spill) -> bool {
-        // An inline set inline: clearing a member changes neither the form nor the hint.
+        // An inline set is updated here: clearing a member changes neither its form nor its
+        // hint.
         if let Ok((group, members)) = self.form() {
             let bit = 1 << (idx % 32);
             let present = group == idx / 32 && members & bit != 0;
@@ -264,6 +266,7 @@ impl WorkerSet {
         self.remove_rare(idx, spill)
     }
 
+    /// [`remove`](Self::remove) of a spilled set, which may go back inline (out of line).
     #[inline(never)]
     fn remove_rare(&mut self, idx: u32, spill: &mut Spill) -> bool {
         let hint = self.run_hint();
