@@ -87,7 +87,7 @@ impl<V: Vacant> Default for BlockMap<V> {
 
 /// Mixes a key (a multiply and a fold): trace ids are small consecutive integers.
 #[inline]
-fn spread(key: u64) -> u64 {
+pub(crate) fn spread(key: u64) -> u64 {
     let m = u128::from(key) * u128::from(0x9E37_79B9_7F4A_7C15_u64);
     (m as u64) ^ ((m >> 64) as u64)
 }

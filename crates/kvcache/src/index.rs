@@ -2,7 +2,7 @@
 
 use kvblock::BlockHash;
 
-use crate::blockmap::BlockMap;
+use crate::blockmap::{spread, BlockMap};
 use crate::hasher::Map;
 use crate::workerset::{fits_inline, List, Spill, WorkerSet, MAX_WORKERS};
 use crate::{Error, KvEvent, WorkerId};
@@ -203,8 +203,8 @@ impl Heads {
     /// A head's slot and its tag.
     #[inline]
     fn slot(head: BlockHash) -> (usize, u16) {
-        // Trace ids are small consecutive integers: mixed first.
-        let h = head.get().wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        // Mixed as the map mixes its keys (trace ids are small consecutive integers).
+        let h = spread(head.get());
         let slot = (h >> (64 - HEADS.trailing_zeros())) as usize;
         (slot, (h as u16) << HEAD_HINT_BITS)
     }
@@ -506,8 +506,7 @@ impl CacheIndex {
         // The probes the head's run hint will send [`jump`](Self::jump) to, loaded with the
         // head's own: when the guess holds, the second round of probes finds them in cache.
         if let Some(hint) = self.heads.hint(head) {
-            let (n, end) = (chain.len(), hint.min(chain.len() - 1));
-            for p in [end, (end + 1).min(n - 1), n - 1] {
+            for p in hinted_probes(chain.len(), 1, hint) {
                 self.blocks.prefetch_key(&chain[p]);
             }
         }
@@ -642,8 +641,7 @@ impl CacheIndex {
             }
         };
         if hint > 0 {
-            let end = (depth - 1 + hint).min(n - 1);
-            for p in [end, (end + 1).min(n - 1), n - 1] {
+            for p in hinted_probes(n, depth, hint) {
                 push(p, &mut count);
             }
         } else {
@@ -1035,6 +1033,15 @@ impl CacheIndex {
         }
         Ok(())
     }
+}
+
+/// Where a run hint sends the probes of a chain of `n` blocks whose first `depth` are held,
+/// `hint` being `chain[depth - 1]`'s: the guessed end of the stored run, the block after it and
+/// the chain's last block.
+#[inline]
+fn hinted_probes(n: usize, depth: usize, hint: usize) -> [usize; 3] {
+    let end = (depth - 1 + hint).min(n - 1);
+    [end, (end + 1).min(n - 1), n - 1]
 }
 
 /// Records that the worker at `idx` holds `b`, with `hint` as its run hint if the block is new

@@ -56,14 +56,24 @@ impl List {
         }
     }
 
+    /// The bits of `word`, if it is listed.
+    #[inline]
+    fn bits_mut(&mut self, word: u32) -> Option<&mut u64> {
+        match self {
+            List::One((w, bits)) => (*w == word).then_some(bits),
+            List::Many(v) => match v.binary_search_by_key(&word, |p| p.0) {
+                Ok(j) => Some(&mut v[j].1),
+                Err(_) => None,
+            },
+        }
+    }
+
     /// Sets `bit` in `word`; true if it was clear.
     fn set(&mut self, word: u32, bit: u64) -> bool {
+        if let Some(bits) = self.bits_mut(word) {
+            return set_bit(bits, bit);
+        }
         match self {
-            List::One((w, b)) if *w == word => {
-                let absent = *b & bit == 0;
-                *b |= bit;
-                absent
-            }
             List::One(pair) => {
                 let (old, new) = (*pair, (word, bit));
                 *self = List::Many(if old.0 < word {
@@ -73,17 +83,12 @@ impl List {
                 });
                 true
             }
-            List::Many(v) => match v.binary_search_by_key(&word, |p| p.0) {
-                Ok(j) => {
-                    let absent = v[j].1 & bit == 0;
-                    v[j].1 |= bit;
-                    absent
-                }
-                Err(j) => {
-                    v.insert(j, (word, bit));
-                    true
-                }
-            },
+            List::Many(v) => {
+                // Not listed (see above): inserted in its place.
+                let j = v.partition_point(|p| p.0 < word);
+                v.insert(j, (word, bit));
+                true
+            }
         }
     }
 
@@ -141,6 +146,14 @@ impl Spill {
         self.lists[i as usize] = List::One((0, 0));
         self.free.push(i);
     }
+}
+
+/// Sets `bit` in `bits`; true if it was clear.
+#[inline]
+fn set_bit(bits: &mut u64, bit: u64) -> bool {
+    let absent = *bits & bit == 0;
+    *bits |= bit;
+    absent
 }
 
 /// Whether the holders of one word fall in one of its halves (an aligned group of 32), so that
@@ -216,29 +229,18 @@ impl WorkerSet {
     pub(crate) fn insert(&mut self, idx: u32, spill: &mut Spill) -> bool {
         // The common cases inline (a worker joining its group's inline set, or a spilled
         // set's word that is already listed), where neither the form nor the hint changes.
-        let (word, bit) = (idx / 64, 1u64 << (idx % 64));
         let bits = match self.form() {
-            Ok((group, members)) if group == idx / 32 => {
-                let absent = members & (1 << (idx % 32)) == 0;
-                self.0 |= 1 << (idx % 32);
-                return absent;
-            }
-            Err(i) => match spill.lists.get_mut(i as usize) {
-                Some(List::One((w, bits))) if *w == word => Some(bits),
-                Some(List::Many(v)) => match v.binary_search_by_key(&word, |p| p.0) {
-                    Ok(j) => Some(&mut v[j].1),
-                    Err(_) => None,
-                },
-                _ => None,
-            },
+            Ok((group, _)) if group == idx / 32 => return set_bit(&mut self.0, 1 << (idx % 32)),
+            Err(i) => spill
+                .lists
+                .get_mut(i as usize)
+                .and_then(|list| list.bits_mut(idx / 64)),
             Ok(_) => None,
         };
-        if let Some(bits) = bits {
-            let absent = *bits & bit == 0;
-            *bits |= bit;
-            return absent;
+        match bits {
+            Some(bits) => set_bit(bits, 1 << (idx % 64)),
+            None => self.insert_rare(idx, spill),
         }
-        self.insert_rare(idx, spill)
     }
 
     /// [`insert`](Self::insert) where the set may change form (out of line: rare).
@@ -275,7 +277,7 @@ impl WorkerSet {
         present
     }
 
-    pub(crate) fn insert_member(&mut self, idx: u32, spill: &mut Spill) -> bool {
+    fn insert_member(&mut self, idx: u32, spill: &mut Spill) -> bool {
         let (word, bit) = (idx / 64, 1u64 << (idx % 64));
         match self.form() {
             Ok((group, members)) if group == idx / 32 || members == 0 => {
@@ -299,7 +301,7 @@ impl WorkerSet {
     }
 
     /// A spilled set that fits inline again goes back.
-    pub(crate) fn remove_member(&mut self, idx: u32, spill: &mut Spill) -> bool {
+    fn remove_member(&mut self, idx: u32, spill: &mut Spill) -> bool {
         match self.form() {
             Ok((group, members)) => {
                 let b = 1 << (idx % 32);
