@@ -348,6 +348,7 @@ impl RouterBuilder {
             predicting: Vec::new(),
             costs: Vec::new(),
             eligible: Vec::new(),
+            tied: Vec::new(),
             lower: Vec::new(),
             lower_hits: Vec::new(),
             lower_credit: Vec::new(),

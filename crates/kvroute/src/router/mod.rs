@@ -178,6 +178,8 @@ pub struct Router {
     /// Scratch of the temperature sampling: candidates' costs and dense indices.
     costs: Vec<f64>,
     eligible: Vec<usize>,
+    /// Scratch of [`lowest_of`]: the workers at the running lowest cost.
+    tied: Vec<usize>,
     /// Mirrors of the workers' lower tiers (host, disk), in tier order; empty for most fleets.
     lower: Vec<(Tier, CacheIndex)>,
     /// For the request being routed, by dense index: lower-tier hits after the device run, and
@@ -1240,42 +1242,47 @@ impl Router {
             // The common case, in one pass over the workers, reading only the load it needs.
             let (active, pending, decode) = (&self.active, &self.pending, &self.decode);
             let (members, overlaps) = (&self.members, &self.overlaps);
-            let k = match self.config.cost_model {
-                CostModel::Seed => argmin(
-                    &mut self.rng,
-                    members
-                        .iter()
-                        .map(|&i| cost(weight, n, overlaps.run_at(i), active[i])),
+            let (rng, tied) = (&mut self.rng, &mut self.tied);
+            let chosen = match self.config.cost_model {
+                CostModel::Seed => lowest_of(
+                    rng,
+                    tied,
+                    members.iter().copied(),
+                    |_| true,
+                    |i| cost(weight, n, overlaps.run_at(i), active[i]),
                 ),
-                CostModel::PrefillAware => argmin(
-                    &mut self.rng,
-                    members.iter().map(|&i| {
-                        prefill_aware_cost(weight, n, overlaps.run_at(i), pending[i], decode[i])
-                    }),
+                CostModel::PrefillAware => lowest_of(
+                    rng,
+                    tied,
+                    members.iter().copied(),
+                    |_| true,
+                    |i| prefill_aware_cost(weight, n, overlaps.run_at(i), pending[i], decode[i]),
                 ),
             };
-            return self.members[k];
+            return chosen.unwrap_or(self.members[0]);
         }
         if t == 0.0 {
             // One pass over the workers not busy, reading only the load its cost needs.
             let (active, pending, decode) = (&self.active, &self.pending, &self.decode);
             let (members, overlaps) = (&self.members, &self.overlaps);
             let credit = (!self.lower.is_empty()).then_some(&self.lower_credit[..]);
-            let rng = &mut self.rng;
+            let (rng, tied) = (&mut self.rng, &mut self.tied);
             let scan = Scan {
                 members,
                 limits: thresholds.then_some((limits, decode, pending, &self.reported_busy[..])),
             };
             let run = |i: usize| overlaps.run_at(i);
             let free = match (self.config.cost_model, credit) {
-                (CostModel::Seed, None) => scan.lowest(rng, |i| cost(weight, n, run(i), active[i])),
-                (CostModel::Seed, Some(cr)) => {
-                    scan.lowest(rng, |i| cost(weight, n, run(i), active[i]) - weight * cr[i])
+                (CostModel::Seed, None) => {
+                    scan.lowest(rng, tied, |i| cost(weight, n, run(i), active[i]))
                 }
-                (CostModel::PrefillAware, None) => scan.lowest(rng, |i| {
+                (CostModel::Seed, Some(cr)) => scan.lowest(rng, tied, |i| {
+                    cost(weight, n, run(i), active[i]) - weight * cr[i]
+                }),
+                (CostModel::PrefillAware, None) => scan.lowest(rng, tied, |i| {
                     prefill_aware_cost(weight, n, run(i), pending[i], decode[i])
                 }),
-                (CostModel::PrefillAware, Some(cr)) => scan.lowest(rng, |i| {
+                (CostModel::PrefillAware, Some(cr)) => scan.lowest(rng, tied, |i| {
                     prefill_aware_cost(weight, n, run(i), pending[i], decode[i]) - weight * cr[i]
                 }),
             };
@@ -1283,11 +1290,17 @@ impl Router {
                 return i;
             }
             // Every worker is busy: the least loaded.
-            let mut rng = self.rng.clone();
+            let (mut rng, mut tied) = (self.rng.clone(), std::mem::take(&mut self.tied));
             let load = |i| self.load_term(i) as f64;
-            let chosen = lowest_of(&mut rng, &self.members, |_| true, load);
+            let chosen = lowest_of(
+                &mut rng,
+                &mut tied,
+                self.members.iter().copied(),
+                |_| true,
+                load,
+            );
             let chosen = chosen.unwrap_or(self.members[0]);
-            self.rng = rng;
+            (self.rng, self.tied) = (rng, tied);
             return chosen;
         }
         // The spread of the costs of the workers not busy, in one pass that stores nothing.
@@ -1342,13 +1355,13 @@ impl Router {
         let k = if eligible.is_empty() {
             eligible.extend_from_slice(&self.members);
             costs.extend(eligible.iter().map(|&i| self.load_term(i) as f64));
-            argmin(&mut self.rng, costs.iter().copied())
+            argmin(&mut self.rng, &mut self.tied, &costs)
         } else {
             let u = unit(&mut self.rng);
             match sample_softmax(&mut costs, t, u) {
                 Some(k) => k,
                 // Not sampled: the costs are intact.
-                None => argmin(&mut self.rng, costs.iter().copied()),
+                None => argmin(&mut self.rng, &mut self.tied, &costs),
             }
         };
         let chosen = eligible[k];
@@ -1360,12 +1373,16 @@ impl Router {
     /// The lowest cost among the workers not busy under `limits` (some are), ties broken at
     /// random.
     fn lowest_free(&mut self, weight: f64, n: usize, limits: (usize, usize)) -> usize {
-        let mut rng = self.rng.clone();
+        let (mut rng, mut tied) = (self.rng.clone(), std::mem::take(&mut self.tied));
         let keep = |i| !self.over(i, limits);
-        let chosen = lowest_of(&mut rng, &self.members, keep, |i| {
-            self.cost_at(weight, n, i)
-        });
-        self.rng = rng;
+        let chosen = lowest_of(
+            &mut rng,
+            &mut tied,
+            self.members.iter().copied(),
+            keep,
+            |i| self.cost_at(weight, n, i),
+        );
+        (self.rng, self.tied) = (rng, tied);
         chosen.unwrap_or(self.members[0])
     }
 
@@ -1394,50 +1411,52 @@ fn unit(rng: &mut Xoshiro256PlusPlus) -> f64 {
     (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64
 }
 
-/// The position of the lowest of `values`, ties broken uniformly with `rng` (reservoir
-/// sampling: each tied position ends up chosen with probability 1/ties).
+/// The position of the lowest of `costs`, ties broken as [`lowest_of`] breaks them; 0 when
+/// there is none.
+fn argmin(rng: &mut Xoshiro256PlusPlus, tied: &mut Vec<usize>, costs: &[f64]) -> usize {
+    let positions = 0..costs.len();
+    lowest_of(rng, tied, positions, |_| true, |k| costs[k]).unwrap_or(0)
+}
+
+/// Divisors up to this many have their constants in [`DIVISIBILITY`].
+const DIVISORS: usize = 256;
+
+/// For each divisor `t` in `1..=DIVISORS` (at `t - 1`): the inverse of its odd part modulo
+/// 2^64, and `u64::MAX / t` (see [`divides`]).
+const DIVISIBILITY: [(u64, u64); DIVISORS] = {
+    let mut table = [(0, 0); DIVISORS];
+    let mut k = 0;
+    while k < DIVISORS {
+        let t = k as u64 + 1;
+        let odd = t >> t.trailing_zeros();
+        // Newton's iteration: `odd` is its own inverse modulo 8 (3 bits), and each step
+        // doubles the bits that are right; five reach 96.
+        let mut inv = odd;
+        let mut step = 0;
+        while step < 5 {
+            inv = inv.wrapping_mul(2u64.wrapping_sub(odd.wrapping_mul(inv)));
+            step += 1;
+        }
+        table[k] = (inv, u64::MAX / t);
+        k += 1;
+    }
+    table
+};
+
+/// Whether `t` divides `x`: `x % t == 0`, without a division up to [`DIVISORS`]. A tie's draw
+/// runs it once per tied worker, and a 64-bit division takes longer than the rest of a
+/// worker's step in the scan.
+///
+/// The test of Granlund and Montgomery (Hacker's Delight, 10–17): with `t = odd × 2^k`,
+/// `t` divides `x` exactly when `x × odd⁻¹ mod 2^64`, rotated right by `k`, is at most
+/// `⌊(2^64 − 1) / t⌋`. The multiple `x = q × t` maps to `q`, which is that small; any other
+/// `x` maps to a larger value or has one of its `k` low bits set, which the rotation brings to
+/// the top.
 #[inline]
-fn argmin(rng: &mut Xoshiro256PlusPlus, values: impl IntoIterator<Item = f64>) -> usize {
-    let mut lowest = Lowest::default();
-    let mut chosen = 0;
-    for (k, c) in values.into_iter().enumerate() {
-        if lowest.offer(rng, c) {
-            chosen = k;
-        }
-    }
-    chosen
-}
-
-/// The running lowest value of a scan and how many values tie it.
-struct Lowest {
-    best: f64,
-    ties: u64,
-}
-
-impl Default for Lowest {
-    fn default() -> Self {
-        Lowest {
-            best: f64::INFINITY,
-            ties: 0,
-        }
-    }
-}
-
-impl Lowest {
-    /// Whether `c` becomes the choice: below the lowest so far, or tying it and drawn (each of
-    /// `ties` tied values ends up chosen with probability 1/ties).
-    #[inline]
-    fn offer(&mut self, rng: &mut Xoshiro256PlusPlus, c: f64) -> bool {
-        if c < self.best {
-            self.best = c;
-            self.ties = 1;
-            true
-        } else if c == self.best {
-            self.ties += 1;
-            rng.next_u64() % self.ties == 0
-        } else {
-            false
-        }
+fn divides(t: u64, x: u64) -> bool {
+    match DIVISIBILITY.get((t as usize).wrapping_sub(1)) {
+        Some(&(inv, limit)) => x.wrapping_mul(inv).rotate_right(t.trailing_zeros()) <= limit,
+        None => x % t == 0,
     }
 }
 
@@ -1454,12 +1473,18 @@ impl Scan<'_> {
     /// The worker of lowest `cost` among those not busy, ties broken as [`argmin`] does;
     /// `None` when every worker is busy.
     #[inline]
-    fn lowest(&self, rng: &mut Xoshiro256PlusPlus, cost: impl Fn(usize) -> f64) -> Option<usize> {
+    fn lowest(
+        &self,
+        rng: &mut Xoshiro256PlusPlus,
+        tied: &mut Vec<usize>,
+        cost: impl Fn(usize) -> f64,
+    ) -> Option<usize> {
         match self.limits {
-            None => lowest_of(rng, self.members, |_| true, cost),
+            None => lowest_of(rng, tied, self.members.iter().copied(), |_| true, cost),
             Some(((d, p), decode, pending, reported)) => lowest_of(
                 rng,
-                self.members,
+                tied,
+                self.members.iter().copied(),
                 |i| decode[i] <= d && pending[i] <= p && !reported[i],
                 cost,
             ),
@@ -1467,31 +1492,91 @@ impl Scan<'_> {
     }
 }
 
-/// The worker of `members` that `keep` keeps with the lowest `cost`, ties broken as [`argmin`]
-/// does (the first one kept when no cost is below infinity); `None` when none is kept.
+/// The worker of `members` that `keep` keeps with the lowest `cost`, ties broken at random
+/// (the first one kept when no cost is a number); `None` when none is kept.
 ///
-/// A plain loop rather than an iterator's `filter` and `map`, whose `next` (a loop of its own)
-/// the compiler leaves as a call per worker: at 1,024 workers that doubled a route with a busy
+/// The draws are a contract (each decision, and every later random number, depends on them):
+/// those of one scan that keeps the running lowest cost and, at each cost equal to it, draws a
+/// number `x` and takes the worker when `ties` (the workers at that cost so far, this one
+/// included) divides `x`, so that each of the tied workers ends up chosen with probability
+/// 1/ties. Until a cost undercuts it, infinity is the running lowest with no worker at it.
+///
+/// That scan's tie branch goes either way at random, and a route among many tied workers paid
+/// a misprediction for most of them. So the scan runs in two passes. The first branches only on
+/// a new lowest (rare and predictable) and writes every worker at the running lowest into
+/// `tied` without a branch. The draws of the ties before the lowest's first worker only advance
+/// the generator; then each of the lowest's ties draws and is taken without a branch.
+///
+/// A plain loop rather than an iterator's `filter`, whose `next` (a loop of its own) the
+/// compiler leaves as a call per worker: at 1,024 workers that doubled a route with a busy
 /// threshold.
 #[inline]
 fn lowest_of(
     rng: &mut Xoshiro256PlusPlus,
-    members: &[usize],
+    tied: &mut Vec<usize>,
+    members: impl ExactSizeIterator<Item = usize> + Clone,
     keep: impl Fn(usize) -> bool,
     cost: impl Fn(usize) -> f64,
 ) -> Option<usize> {
-    let mut lowest = Lowest::default();
-    let mut chosen = None;
-    for &i in members {
+    // Written before it is counted: one slot more than the workers.
+    if tied.len() <= members.len() {
+        tied.resize(members.len() + 1, 0);
+    }
+    let (n, first, lows) = at_lowest(tied, members.clone(), &keep, &cost);
+    let (mut chosen, mut ties, from) = if first == usize::MAX {
+        // No cost below infinity: the costs at infinity, if any, are ties with no worker.
+        (None, 0, 0)
+    } else {
+        // Before slot `first`: every earlier lowest but this one, and a draw for each other.
+        for _ in 0..first + 1 - lows {
+            rng.next_u64();
+        }
+        (tied.get(first).copied(), 1, first + 1)
+    };
+    for &i in tied.get(from..n).unwrap_or_default() {
+        ties += 1;
+        let take = divides(ties, rng.next_u64());
+        chosen = if take { Some(i) } else { chosen };
+    }
+    // No cost a number: the first worker kept.
+    chosen.or_else(|| members.into_iter().find(|&i| keep(i)))
+}
+
+/// The first pass of [`lowest_of`]: writes the workers at the running lowest cost into
+/// `tied`, and returns how many, the slot of the lowest's first worker (`usize::MAX`: none
+/// below infinity) and the count of new lowests. A function of its own so that `tied` is a
+/// slice the compiler knows no other reference reaches: otherwise its write would make every
+/// worker's step reload the load vectors' addresses.
+#[inline]
+fn at_lowest(
+    tied: &mut [usize],
+    members: impl Iterator<Item = usize>,
+    keep: impl Fn(usize) -> bool,
+    cost: impl Fn(usize) -> f64,
+) -> (usize, usize, usize) {
+    let mut best = f64::INFINITY;
+    // Workers written; the slot of the lowest's first worker; new lowests so far.
+    let (mut n, mut first, mut lows) = (0, usize::MAX, 0);
+    for i in members {
         if !keep(i) {
             continue;
         }
-        // Offered first, so that every cost draws the same random numbers.
-        if lowest.offer(rng, cost(i)) || chosen.is_none() {
-            chosen = Some(i);
+        let c = cost(i);
+        // At or below the running lowest: one comparison for both cases (false for NaN).
+        let at = c <= best;
+        if c < best {
+            best = c;
+            first = n;
+            // Opaque, so that the compiler keeps this rare case a branch: as a select, the
+            // running lowest would chain every worker's step to the one before.
+            lows = std::hint::black_box(lows + 1);
         }
+        if let Some(slot) = tied.get_mut(n) {
+            *slot = i;
+        }
+        n += usize::from(at);
     }
-    chosen
+    (n, first, lows)
 }
 
 /// Trials of temperature sampling by rejection before it falls back to computing every weight.
@@ -1500,6 +1585,131 @@ const REJECTION_TRIALS: usize = 32;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use proptest::prelude::*;
+    // Named, as proptest's prelude brings another `RngCore` in too.
+    use rand_core::{RngCore, SeedableRng};
+
+    proptest! {
+        /// `divides` is `x % t == 0` for any `x`, and for multiples of `t` and their
+        /// neighbours (a random `x` is rarely a multiple), at divisors in and past the table.
+        #[test]
+        fn divides_is_the_remainder_test(
+            t in 1u64..=DIVISORS as u64 + 64,
+            x in any::<u64>(),
+            q in any::<u64>(),
+        ) {
+            prop_assert_eq!(divides(t, x), x % t == 0);
+            let m = q / t * t;
+            for y in [m, m.wrapping_add(1), m.wrapping_sub(1)] {
+                prop_assert_eq!(divides(t, y), y % t == 0, "{} divides {}", t, y);
+            }
+        }
+    }
+
+    /// The scan whose draws [`lowest_of`] keeps: the running lowest, and at each cost equal to
+    /// it a draw that takes the worker when the count of tied workers divides it.
+    fn lowest_naive(rng: &mut Xoshiro256PlusPlus, costs: &[(bool, f64)]) -> Option<usize> {
+        let (mut best, mut ties, mut chosen) = (f64::INFINITY, 0u64, None);
+        for (i, &(keep, c)) in costs.iter().enumerate() {
+            if !keep {
+                continue;
+            }
+            let take = if c < best {
+                (best, ties) = (c, 1);
+                true
+            } else if c == best {
+                ties += 1;
+                rng.next_u64() % ties == 0
+            } else {
+                false
+            };
+            if take || chosen.is_none() {
+                chosen = Some(i);
+            }
+        }
+        chosen
+    }
+
+    /// A cost from a few values, so that ties are common: 0 to 3, infinities, NaN.
+    fn tie_prone() -> impl Strategy<Value = (bool, f64)> {
+        let cost = prop_oneof![
+            6 => (0u8..4).prop_map(f64::from),
+            1 => Just(f64::INFINITY),
+            1 => Just(f64::NEG_INFINITY),
+            1 => Just(f64::NAN),
+        ];
+        (prop::bool::weighted(0.8), cost)
+    }
+
+    proptest! {
+        /// The same worker as the one-pass scan, and the generator left in the same state, for
+        /// any costs (ties, infinities, NaN, workers left out), twice in a row on one scratch.
+        #[test]
+        fn lowest_of_draws_as_the_one_pass_scan(
+            costs in prop::collection::vec(tie_prone(), 0..80),
+            more in prop::collection::vec(tie_prone(), 0..80),
+            seed in any::<u64>(),
+        ) {
+            let mut real = Xoshiro256PlusPlus::seed_from_u64(seed);
+            let mut naive = real.clone();
+            let mut tied = Vec::new();
+            for costs in [&costs, &more] {
+                let got = lowest_of(
+                    &mut real,
+                    &mut tied,
+                    0..costs.len(),
+                    |i| costs[i].0,
+                    |i| costs[i].1,
+                );
+                prop_assert_eq!(got, lowest_naive(&mut naive, costs));
+                prop_assert_eq!(real.next_u64(), naive.next_u64());
+            }
+        }
+    }
+
+    /// With no cost a number, the first worker kept; with none kept, none; no draw either way.
+    #[test]
+    fn lowest_of_without_a_number() {
+        let costs = [(false, 0.0), (true, f64::NAN), (true, f64::NAN)];
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(1);
+        let before = rng.clone().next_u64();
+        let of = |keep: bool| {
+            let mut rng = rng.clone();
+            let got = lowest_of(
+                &mut rng,
+                &mut Vec::new(),
+                0..3,
+                |i| keep && costs[i].0,
+                |i| costs[i].1,
+            );
+            (got, rng.next_u64())
+        };
+        assert_eq!(of(true), (Some(1), before));
+        assert_eq!(of(false), (None, before));
+        assert_eq!(rng.next_u64(), before);
+    }
+
+    /// Every divisor of the table at the values where the test's bound is tight.
+    #[test]
+    fn divides_at_the_edges() {
+        for t in 1..=DIVISORS as u64 + 1 {
+            let top = u64::MAX / t * t;
+            for x in [
+                0,
+                1,
+                t - 1,
+                t,
+                t + 1,
+                top - 1,
+                top,
+                top.wrapping_add(1),
+                u64::MAX,
+            ] {
+                assert_eq!(divides(t, x), x % t == 0, "{t} divides {x}");
+            }
+        }
+    }
 
     /// The exact probabilities of `sample_softmax` for `costs` at temperature `t`.
     fn softmax(costs: &[f64], t: f64) -> Vec<f64> {
