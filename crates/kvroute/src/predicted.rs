@@ -1,27 +1,36 @@
-//! One worker's predicted blocks (see
+//! The workers' predicted blocks (see
 //! [`RouterBuilder::predicted_ttl`](crate::RouterBuilder::predicted_ttl)), kept as runs.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, VecDeque};
 use std::time::Duration;
 
 use kvblock::BlockHash;
 
 use crate::inflight::common_prefix;
 
-/// The blocks predicted on one worker: what routed requests will make it hold, until its events
-/// confirm them or the prediction lapses.
+/// The blocks predicted on the router's workers: what routed requests will make each worker
+/// hold, until its events confirm them or the prediction lapses.
 ///
 /// A routed request predicts the blocks of its prompt after the worker's hits: one contiguous
-/// run of a chain, stored here as one entry (its position in the chain, its blocks, when it
-/// lapses) rather than one map entry per block, so predicting a 128-block prompt costs one copy
-/// of its hashes. Sequence hashes name a block *and its position*, so a query asks only the
-/// entries that cover its position. A block is predicted while some entry not lapsed holds it;
-/// a `Stored` event removes the blocks it stores from every entry (cutting entries where
-/// needed): exactly the per-block map of (block, latest lapse) this replaces, for lists that
-/// keep the sequence-hash contract.
+/// run of a chain, stored here as one entry (the worker's dense index, its position in the
+/// chain, its blocks, when it lapses) rather than one map entry per block, so predicting a
+/// 128-block prompt costs one copy of its hashes. Sequence hashes name a block *and its
+/// position*, so a query asks only the entries that cover its position. A block is predicted on
+/// a worker while some entry of that worker not lapsed holds it; a `Stored` event removes the
+/// blocks it stores from the worker's entries (cutting entries where needed): exactly the
+/// per-block map of (block, latest lapse) this replaces, for lists that keep the sequence-hash
+/// contract.
+///
+/// The entries of all workers are one queue, in the order they were predicted: on one clock and
+/// with one time to live, the order they lapse, so pruning pops from the front, and a route
+/// scans one contiguous list rather than each worker's.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Predicted {
-    runs: Vec<Run>,
+    /// Mostly in the order they lapse: a confirmation that cuts an entry puts the pieces after
+    /// the first at the back, and moves the back into an entry it empties. Pruning stops at the
+    /// first entry not lapsed, so such an entry may outlive its lapse by up to a time to live;
+    /// readers check the lapse.
+    runs: VecDeque<Run>,
     /// Block lists of dropped runs, kept for the next ones.
     spare: Vec<Vec<BlockHash>>,
     /// A sorted copy of a `Stored` event's blocks.
@@ -30,11 +39,17 @@ pub(crate) struct Predicted {
 
 #[derive(Debug, Clone)]
 struct Run {
+    /// The worker's dense index.
+    slot: usize,
     /// Position of `blocks[0]` in its prompt.
     start: usize,
     lapses: Duration,
+    /// Never empty.
     blocks: Vec<BlockHash>,
 }
+
+/// Block lists kept for reuse.
+const SPARE: usize = 64;
 
 impl Predicted {
     /// Whether nothing is predicted (lapsed runs not yet pruned count).
@@ -43,22 +58,30 @@ impl Predicted {
         self.runs.is_empty()
     }
 
-    /// Predicts `blocks`, the blocks at positions `start..` of a prompt, until `lapses`.
-    pub(crate) fn add(&mut self, start: usize, blocks: &[BlockHash], lapses: Duration) {
+    /// Predicts `blocks`, the blocks at positions `start..` of a prompt, on worker `slot` until
+    /// `lapses`.
+    pub(crate) fn add(
+        &mut self,
+        slot: usize,
+        start: usize,
+        blocks: &[BlockHash],
+        lapses: Duration,
+    ) {
         if blocks.is_empty() {
             return;
         }
         let mut kept = self.spare.pop().unwrap_or_default();
         kept.extend_from_slice(blocks);
-        self.runs.push(Run {
+        self.runs.push_back(Run {
+            slot,
             start,
             lapses,
             blocks: kept,
         });
     }
 
-    /// The worker's events stored `stored`: they are no longer predictions.
-    pub(crate) fn confirm(&mut self, stored: &[BlockHash]) {
+    /// Worker `slot`'s events stored `stored`: they are no longer predictions.
+    pub(crate) fn confirm(&mut self, slot: usize, stored: &[BlockHash]) {
         if self.runs.is_empty() || stored.is_empty() {
             return;
         }
@@ -68,14 +91,16 @@ impl Predicted {
         set.sort_unstable();
         let confirmed = |b: &BlockHash| set.binary_search(b).is_ok();
         let mut k = 0;
-        while k < self.runs.len() {
-            if !self.runs[k].blocks.iter().any(confirmed) {
+        while let Some(run) = self.runs.get(k) {
+            if run.slot != slot || !run.blocks.iter().any(confirmed) {
                 k += 1;
                 continue;
             }
-            // The pieces between confirmed blocks go to the end (and are checked again there,
-            // finding nothing); the run swapped into `k` is checked next.
-            let run = self.runs.swap_remove(k);
+            // The pieces between confirmed blocks go to the back (and are checked again
+            // there, finding nothing); the run moved into `k` is checked next.
+            let Some(run) = self.runs.swap_remove_back(k) else {
+                break;
+            };
             let mut i = 0;
             while i < run.blocks.len() {
                 if confirmed(&run.blocks[i]) {
@@ -86,7 +111,7 @@ impl Predicted {
                     .iter()
                     .position(confirmed)
                     .unwrap_or(run.blocks.len() - i);
-                self.add(run.start + i, &run.blocks[i..i + len], run.lapses);
+                self.add(slot, run.start + i, &run.blocks[i..i + len], run.lapses);
                 i += len;
             }
             self.recycle(run.blocks);
@@ -94,52 +119,99 @@ impl Predicted {
         self.scratch = set;
     }
 
+    /// Forgets every prediction on worker `slot`.
+    pub(crate) fn clear(&mut self, slot: usize) {
+        let spare = &mut self.spare;
+        self.runs.retain_mut(|run| {
+            if run.slot != slot {
+                return true;
+            }
+            if spare.len() < SPARE {
+                let mut blocks = std::mem::take(&mut run.blocks);
+                blocks.clear();
+                spare.push(blocks);
+            }
+            false
+        });
+    }
+
     /// Forgets every prediction.
-    pub(crate) fn clear(&mut self) {
-        while let Some(run) = self.runs.pop() {
+    pub(crate) fn clear_all(&mut self) {
+        while let Some(run) = self.runs.pop_back() {
             self.recycle(run.blocks);
         }
     }
 
-    /// Drops the runs lapsed at `now`.
+    /// Drops the runs lapsed at `now` from the front of the queue.
     pub(crate) fn prune(&mut self, now: Duration) {
-        let mut k = 0;
-        while k < self.runs.len() {
-            if self.runs[k].lapses <= now {
-                let run = self.runs.swap_remove(k);
+        while self.runs.front().is_some_and(|run| run.lapses <= now) {
+            if let Some(run) = self.runs.pop_front() {
                 self.recycle(run.blocks);
-            } else {
-                k += 1;
             }
         }
     }
 
     fn recycle(&mut self, mut blocks: Vec<BlockHash>) {
-        if self.spare.len() < 16 {
+        if self.spare.len() < SPARE {
             blocks.clear();
             self.spare.push(blocks);
         }
     }
 
-    /// Where the leading run of `blocks` ends when the predictions not lapsed at `now` count:
-    /// `from` is the end of the run the worker holds (`holds` says whether it holds a block),
-    /// so it does not hold `blocks[from]`; past a predicted block, it may again.
+    /// Writes into `out` the workers whose leading run over `blocks` a prediction not lapsed at
+    /// `now` may extend: those with a run holding `blocks[from(slot)]`, where `from(slot)` is
+    /// where the worker's run ends. A worker may be written more than once.
+    pub(crate) fn extending(
+        &self,
+        blocks: &[BlockHash],
+        now: Duration,
+        from: impl Fn(usize) -> usize,
+        out: &mut Vec<usize>,
+    ) {
+        let (front, back) = self.runs.as_slices();
+        // Two plain loops: a chained iterator's `next` would branch between the halves at
+        // every run.
+        for part in [front, back] {
+            for run in part {
+                let r = from(run.slot);
+                let Some(at) = r.checked_sub(run.start) else {
+                    continue;
+                };
+                if run.lapses > now && run.blocks.get(at).is_some_and(|b| blocks.get(r) == Some(b))
+                {
+                    out.push(run.slot);
+                }
+            }
+        }
+    }
+
+    /// Where worker `slot`'s leading run of `blocks` ends when the predictions not lapsed at
+    /// `now` count: `from` is the end of the run the worker holds (`holds` says whether it
+    /// holds a block), so it does not hold `blocks[from]`; past a predicted block, it may
+    /// again.
     pub(crate) fn run(
         &self,
+        slot: usize,
         blocks: &[BlockHash],
         from: usize,
         now: Duration,
         holds: impl Fn(BlockHash) -> bool,
     ) -> usize {
+        let (front, back) = self.runs.as_slices();
         let mut r = from;
         while let Some(&b) = blocks.get(r) {
             let mut end = r;
-            for run in &self.runs {
-                let Some(at) = r.checked_sub(run.start) else {
-                    continue;
-                };
-                if run.lapses > now && run.blocks.get(at) == Some(&b) {
-                    end = end.max(r + common_prefix(&run.blocks[at..], &blocks[r..]));
+            for part in [front, back] {
+                for run in part {
+                    if run.slot != slot {
+                        continue;
+                    }
+                    let Some(at) = r.checked_sub(run.start) else {
+                        continue;
+                    };
+                    if run.lapses > now && run.blocks.get(at) == Some(&b) {
+                        end = end.max(r + common_prefix(&run.blocks[at..], &blocks[r..]));
+                    }
                 }
             }
             if end > r {
@@ -153,11 +225,11 @@ impl Predicted {
         r
     }
 
-    /// Distinct blocks predicted and not lapsed at `now`.
-    pub(crate) fn count(&self, now: Duration) -> usize {
+    /// Distinct blocks predicted on worker `slot` and not lapsed at `now`.
+    pub(crate) fn count(&self, slot: usize, now: Duration) -> usize {
         self.runs
             .iter()
-            .filter(|run| run.lapses > now)
+            .filter(|run| run.slot == slot && run.lapses > now)
             .flat_map(|run| &run.blocks)
             .collect::<BTreeSet<_>>()
             .len()
@@ -200,27 +272,33 @@ mod tests {
         }
     }
 
+    /// Workers of the tests.
+    const WORKERS: usize = 3;
+
     #[derive(Debug, Clone)]
     enum Op {
-        /// Predict the blocks of a path from a position on, with a time to live.
-        Add(Vec<u8>, usize, u8),
-        /// A `Stored` event of a path's blocks from a position on (the worker then holds them).
-        Stored(Vec<u8>, usize),
-        /// The worker dropped a path's blocks from a position on.
-        Removed(Vec<u8>, usize),
+        /// Predict the blocks of a path from a position on, on a worker, with a time to live.
+        Add(usize, Vec<u8>, usize, u8),
+        /// A worker's `Stored` event of a path's blocks from a position on (it then holds them).
+        Stored(usize, Vec<u8>, usize),
+        /// A worker dropped a path's blocks from a position on.
+        Removed(usize, Vec<u8>, usize),
         Tick(u8),
-        Clear,
+        Clear(usize),
+        ClearAll,
         Query(Vec<u8>),
     }
 
     fn op() -> impl Strategy<Value = Op> {
         let codes = || prop::collection::vec(0u8..3, 0..10);
+        let w = || 0..WORKERS;
         prop_oneof![
-            4 => (codes(), 0usize..6, 1u8..20).prop_map(|(c, s, t)| Op::Add(c, s, t)),
-            2 => (codes(), 0usize..6).prop_map(|(c, s)| Op::Stored(c, s)),
-            1 => (codes(), 0usize..6).prop_map(|(c, s)| Op::Removed(c, s)),
+            6 => (w(), codes(), 0usize..6, 1u8..20).prop_map(|(w, c, s, t)| Op::Add(w, c, s, t)),
+            3 => (w(), codes(), 0usize..6).prop_map(|(w, c, s)| Op::Stored(w, c, s)),
+            1 => (w(), codes(), 0usize..6).prop_map(|(w, c, s)| Op::Removed(w, c, s)),
             2 => (0u8..8).prop_map(Op::Tick),
-            1 => Just(Op::Clear),
+            1 => w().prop_map(Op::Clear),
+            1 => Just(Op::ClearAll),
             4 => codes().prop_map(Op::Query),
         ]
     }
@@ -228,41 +306,41 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(512))]
 
-        /// Runs against the per-block map they replace: the same leading runs and the same
-        /// count of predicted blocks after every step.
+        /// Runs against the per-block maps they replace, one per worker: the same leading runs,
+        /// the same workers extended, and the same count of predicted blocks after every step.
         #[test]
-        fn runs_match_a_map_of_predicted_blocks(ops in prop::collection::vec(op(), 1..60)) {
+        fn runs_match_a_map_of_predicted_blocks(ops in prop::collection::vec(op(), 1..80)) {
             let mut p = Predicted::default();
-            let mut m = Model::default();
-            let mut held = BTreeSet::new();
+            let mut m: [Model; WORKERS] = Default::default();
+            let mut held: [BTreeSet<BlockHash>; WORKERS] = Default::default();
             let mut now = Duration::ZERO;
             for op in ops {
                 match op {
-                    Op::Add(c, s, ttl) => {
+                    Op::Add(w, c, s, ttl) => {
                         let b = path(&c);
                         let s = s.min(b.len());
                         let lapses = now + Duration::from_millis(u64::from(ttl));
-                        p.add(s, &b[s..], lapses);
+                        p.add(w, s, &b[s..], lapses);
                         // The router's lapses only grow (one time to live, a monotonic clock):
                         // its map's last lapse of a block is the latest.
                         for &x in &b[s..] {
-                            let t = m.0.entry(x).or_insert(lapses);
+                            let t = m[w].0.entry(x).or_insert(lapses);
                             *t = (*t).max(lapses);
                         }
                     }
-                    Op::Stored(c, s) => {
+                    Op::Stored(w, c, s) => {
                         let b = path(&c);
                         let s = s.min(b.len());
-                        p.confirm(&b[s..]);
+                        p.confirm(w, &b[s..]);
                         for x in &b[s..] {
-                            m.0.remove(x);
-                            held.insert(*x);
+                            m[w].0.remove(x);
+                            held[w].insert(*x);
                         }
                     }
-                    Op::Removed(c, s) => {
+                    Op::Removed(w, c, s) => {
                         let b = path(&c);
                         for x in &b[s.min(b.len())..] {
-                            held.remove(x);
+                            held[w].remove(x);
                         }
                     }
                     Op::Tick(t) => {
@@ -271,20 +349,36 @@ mod tests {
                             p.prune(now);
                         }
                     }
-                    Op::Clear => {
-                        p.clear();
-                        m.0.clear();
+                    Op::Clear(w) => {
+                        p.clear(w);
+                        m[w].0.clear();
+                    }
+                    Op::ClearAll => {
+                        p.clear_all();
+                        m.iter_mut().for_each(|m| m.0.clear());
                     }
                     Op::Query(c) => {
                         let b = path(&c);
-                        // The worker's own run: as the index gives it.
-                        let from = b.iter().take_while(|x| held.contains(x)).count();
-                        let got = p.run(&b, from, now, |x| held.contains(&x));
-                        prop_assert_eq!(got, m.run(&b, from, now, &held), "{:?}", c);
+                        // Each worker's own run: as the index gives it.
+                        let from: Vec<usize> = held
+                            .iter()
+                            .map(|h| b.iter().take_while(|x| h.contains(x)).count())
+                            .collect();
+                        let mut out = Vec::new();
+                        p.extending(&b, now, |w| from[w], &mut out);
+                        let extending: BTreeSet<usize> = out.into_iter().collect();
+                        for w in 0..WORKERS {
+                            let got = p.run(w, &b, from[w], now, |x| held[w].contains(&x));
+                            let want = m[w].run(&b, from[w], now, &held[w]);
+                            prop_assert_eq!(got, want, "worker {} on {:?}", w, c);
+                            prop_assert_eq!(extending.contains(&w), want > from[w], "worker {}", w);
+                        }
                     }
                 }
-                let live = m.0.values().filter(|&&t| t > now).count();
-                prop_assert_eq!(p.count(now), live);
+                for (w, m) in m.iter().enumerate() {
+                    let live = m.0.values().filter(|&&t| t > now).count();
+                    prop_assert_eq!(p.count(w, now), live);
+                }
             }
         }
     }

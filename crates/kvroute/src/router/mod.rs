@@ -1,6 +1,5 @@
 //! The `Router` facade: cache index, load tracking and policies behind one call.
 
-use std::collections::VecDeque;
 use std::time::Duration;
 
 use kvblock::{BlockHash, BlockHasher, BlockSize, ExtraKeys};
@@ -78,10 +77,6 @@ struct Load {
     /// Uncached prompt blocks of requests not past their first token.
     pending: usize,
     requests: usize,
-    /// Predicted blocks and when each prediction lapses.
-    predicted: Predicted,
-    /// Whether its dense index is in the router's `predicting` list.
-    listed: bool,
     /// What its engine last reported of its load, if anything.
     reported: Option<ReportedLoad>,
 }
@@ -170,16 +165,15 @@ pub struct Router {
     group_cap: Option<usize>,
     /// The clock predictions are stamped and lapse by.
     now: Duration,
-    /// Predictions in the order they lapse: (when, slot, generation).
-    expiry: VecDeque<(Duration, usize, u64)>,
-    /// Dense indices of the workers that may have predictions (each listed once), so a route
-    /// visits only those.
-    predicting: Vec<usize>,
+    /// Every worker's predicted blocks, by dense index.
+    predicted: Predicted,
     /// Scratch of the temperature sampling: candidates' costs and dense indices.
     costs: Vec<f64>,
     eligible: Vec<usize>,
     /// Scratch of [`lowest_of`]: the workers at the running lowest cost.
     tied: Vec<usize>,
+    /// Scratch of `extend_predicted`: the workers a prediction may extend.
+    extending: Vec<usize>,
     /// Mirrors of the workers' lower tiers (host, disk), in tier order; empty for most fleets.
     lower: Vec<(Tier, CacheIndex)>,
     /// For the request being routed, by dense index: lower-tier hits after the device run, and
@@ -201,24 +195,8 @@ impl Load {
             decode: InFlightBlocks::default(),
             pending: 0,
             requests: 0,
-            predicted: Predicted::default(),
-            listed: false,
             reported: None,
         }
-    }
-
-    /// Where the leading run of `blocks` ends when predicted blocks (not lapsed at `now`) count:
-    /// `from` is the end of the index's run, so the index does not hold `blocks[from]`; past a
-    /// predicted block, it may again.
-    fn predicted_run(
-        &self,
-        index: &CacheIndex,
-        blocks: &[BlockHash],
-        from: usize,
-        now: Duration,
-    ) -> usize {
-        self.predicted
-            .run(blocks, from, now, |b| index.holds(self.id, b))
     }
 }
 
@@ -303,7 +281,7 @@ impl Router {
         }
         self.groups.clear_worker(worker, Some(i));
         self.slots[i] = None;
-        self.predicting.retain(|&j| j != i);
+        self.predicted.clear(i);
         self.active[i] = 0;
         self.pending[i] = 0;
         self.decode[i] = 0;
@@ -393,14 +371,12 @@ impl Router {
                 if matches!(event, KvEvent::Stored { .. }) {
                     self.groups.primary_stored(i);
                 }
-                if let Some(load) = self.slots[i].as_mut() {
-                    if !load.predicted.is_empty() {
-                        match event {
-                            // Confirmed: the index holds them now.
-                            KvEvent::Stored { blocks, .. } => load.predicted.confirm(blocks),
-                            KvEvent::Cleared => load.predicted.clear(),
-                            KvEvent::Removed { .. } => {}
-                        }
+                if !self.predicted.is_empty() {
+                    match event {
+                        // Confirmed: the index holds them now.
+                        KvEvent::Stored { blocks, .. } => self.predicted.confirm(i, blocks),
+                        KvEvent::Cleared => self.predicted.clear(i),
+                        KvEvent::Removed { .. } => {}
                     }
                 }
                 Ok(applied)
@@ -476,8 +452,8 @@ impl Router {
     /// restarted); returns how many blocks it held.
     pub fn clear_worker(&mut self, worker: WorkerId) -> usize {
         let i = self.index.worker_index(worker);
-        if let Some(load) = i.and_then(|i| self.slots.get_mut(i)?.as_mut()) {
-            load.predicted.clear();
+        if let Some(i) = i {
+            self.predicted.clear(i);
         }
         for (_, ix) in &mut self.lower {
             ix.clear_worker(worker);
@@ -524,8 +500,7 @@ impl Router {
         self.reported_kv.clear();
         self.reported_waiting.clear();
         self.reported_busy.clear();
-        self.expiry.clear();
-        self.predicting.clear();
+        self.predicted.clear_all();
         self.members.clear();
         self.ring = Ring::new(self.ring.vnodes());
         for w in listed {
@@ -625,16 +600,12 @@ impl Router {
             self.pending[chosen] = load.pending;
             if !ttl.is_zero() {
                 let lapses = self.now.saturating_add(ttl);
-                if hits < n {
-                    load.predicted.add(hits, &blocks[hits..], lapses);
-                    self.expiry.push_back((lapses, chosen, load.generation));
+                if let Some(rest) = blocks.get(hits..) {
+                    self.predicted.add(chosen, hits, rest, lapses);
                 }
             }
             (load.id, load.generation)
         };
-        if !ttl.is_zero() && hits < n {
-            self.list_predicting(chosen);
-        }
         let mut kept = self.spare.pop().unwrap_or_default();
         kept.extend_from_slice(blocks);
         self.requests.insert(
@@ -816,38 +787,28 @@ impl Router {
 
     /// Extends every worker's leading run over its predicted blocks.
     ///
-    /// Visits the workers listed in `predicting`, dropping those whose predictions are gone. A
-    /// worker out of routing may get a longer run too: nothing reads it (`Overlaps::set_run`
-    /// keeps each worker's run apart, and only the runs by dense index are read here).
+    /// Walks only the workers with a prediction holding the block where their run ends (one
+    /// scan of the predictions). A worker out of routing may get a longer run too: nothing reads
+    /// it (`Overlaps::set_run` keeps each worker's run apart, and only the runs by dense index
+    /// are read here).
     fn extend_predicted(&mut self, blocks: &[BlockHash]) {
-        let mut k = 0;
-        while let Some(&i) = self.predicting.get(k) {
-            let Some(load) = self.slots.get_mut(i).and_then(Option::as_mut) else {
-                self.predicting.swap_remove(k);
+        let now = self.now;
+        let (predicted, overlaps) = (&self.predicted, &mut self.overlaps);
+        let mut extending = std::mem::take(&mut self.extending);
+        extending.clear();
+        predicted.extending(blocks, now, |i| overlaps.run_at(i), &mut extending);
+        for &i in &extending {
+            let Some(load) = self.slots.get(i).and_then(Option::as_ref) else {
                 continue;
             };
-            if load.predicted.is_empty() {
-                load.listed = false;
-                self.predicting.swap_remove(k);
-                continue;
-            }
-            k += 1;
-            let from = self.overlaps.run_at(i);
-            let run = load.predicted_run(&self.index, blocks, from, self.now);
+            let from = overlaps.run_at(i);
+            let index = &self.index;
+            let run = predicted.run(i, blocks, from, now, |b| index.holds(load.id, b));
             if run > from {
-                self.overlaps.set_run(i, load.id, run);
+                overlaps.set_run(i, load.id, run);
             }
         }
-    }
-
-    /// Lists worker `i` in `predicting` (it has just been given predictions).
-    fn list_predicting(&mut self, i: usize) {
-        if let Some(load) = self.slots.get_mut(i).and_then(Option::as_mut) {
-            if !load.listed {
-                load.listed = true;
-                self.predicting.push(i);
-            }
-        }
+        self.extending = extending;
     }
 
     /// Hashes `tokens` at the router's block size (a partial tail is ignored), then routes.
@@ -1026,23 +987,15 @@ impl Router {
             return;
         }
         self.now = now;
-        while let Some(&(t, slot, generation)) = self.expiry.front() {
-            if t > now {
-                break;
-            }
-            self.expiry.pop_front();
-            if let Some(load) = self.slots.get_mut(slot).and_then(Option::as_mut) {
-                if load.generation == generation {
-                    load.predicted.prune(now);
-                }
-            }
-        }
+        self.predicted.prune(now);
     }
 
     /// Blocks predicted on `worker` and not yet confirmed by its events nor lapsed.
     pub fn predicted_blocks(&self, worker: WorkerId) -> usize {
-        self.worker_load(worker)
-            .map_or(0, |l| l.predicted.count(self.now))
+        match self.index.worker_index(worker) {
+            Some(i) if self.load(i).is_some() => self.predicted.count(i, self.now),
+            _ => 0,
+        }
     }
 
     /// Uncached prompt blocks of `worker`'s requests not past their first token.
@@ -1164,7 +1117,8 @@ impl Router {
         for &i in &self.members {
             if let Some(load) = self.load(i).filter(|_| predicting) {
                 let from = ov.run_at(i);
-                let run = load.predicted_run(&self.index, blocks, from, self.now);
+                let holds = |b| self.index.holds(load.id, b);
+                let run = self.predicted.run(i, blocks, from, self.now, holds);
                 if run > from {
                     ov.set_run(i, load.id, run);
                 }

@@ -108,16 +108,12 @@ impl Router {
                         let held = |b: &BlockHash| self.index.holds(*worker, *b);
                         let start = at + blocks[at..].iter().take_while(|b| held(b)).count();
                         let len = blocks[start..].iter().take_while(|b| !held(b)).count();
-                        load.predicted
-                            .add(start, &blocks[start..start + len], lapses);
+                        self.predicted
+                            .add(i, start, &blocks[start..start + len], lapses);
                         at = start + len;
                     }
-                    self.expiry.push_back((lapses, i, load.generation));
                 }
                 let generation = load.generation;
-                if !predicted.is_zero() {
-                    self.list_predicting(i);
-                }
                 self.remote.insert(
                     key,
                     Remote {
