@@ -347,7 +347,7 @@ impl RouterBuilder {
             predicted: Predicted::default(),
             costs: Vec::new(),
             eligible: Vec::new(),
-            tied: Vec::new(),
+            tied: Ties::default(),
             extending: Vec::new(),
             lower: Vec::new(),
             lower_hits: Vec::new(),

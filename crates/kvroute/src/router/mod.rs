@@ -170,8 +170,8 @@ pub struct Router {
     /// Scratch of the temperature sampling: candidates' costs and dense indices.
     costs: Vec<f64>,
     eligible: Vec<usize>,
-    /// Scratch of [`lowest_of`]: the workers at the running lowest cost.
-    tied: Vec<usize>,
+    /// What [`lowest_of`] keeps between routes.
+    tied: Ties,
     /// Scratch of `extend_predicted`: the workers a prediction may extend.
     extending: Vec<usize>,
     /// Mirrors of the workers' lower tiers (host, disk), in tier order; empty for most fleets.
@@ -1367,7 +1367,7 @@ fn unit(rng: &mut Xoshiro256PlusPlus) -> f64 {
 
 /// The position of the lowest of `costs`, ties broken as [`lowest_of`] breaks them; 0 when
 /// there is none.
-fn argmin(rng: &mut Xoshiro256PlusPlus, tied: &mut Vec<usize>, costs: &[f64]) -> usize {
+fn argmin(rng: &mut Xoshiro256PlusPlus, tied: &mut Ties, costs: &[f64]) -> usize {
     let positions = 0..costs.len();
     lowest_of(rng, tied, positions, |_| true, |k| costs[k]).unwrap_or(0)
 }
@@ -1430,7 +1430,7 @@ impl Scan<'_> {
     fn lowest(
         &self,
         rng: &mut Xoshiro256PlusPlus,
-        tied: &mut Vec<usize>,
+        tied: &mut Ties,
         cost: impl Fn(usize) -> f64,
     ) -> Option<usize> {
         match self.limits {
@@ -1446,6 +1446,20 @@ impl Scan<'_> {
     }
 }
 
+/// What the lowest-cost scans keep from one route to the next: the two-pass scan's record of
+/// the workers at the running lowest, and the recent scans' draws per 1,024 workers scanned
+/// (each scan weighing 1/8).
+#[derive(Debug, Clone, Default)]
+struct Ties {
+    at_lowest: Vec<usize>,
+    per_1024: usize,
+}
+
+impl Ties {
+    /// Recent scans drew for more than one worker in eight.
+    const DENSE: usize = 128;
+}
+
 /// The worker of `members` that `keep` keeps with the lowest `cost`, ties broken at random
 /// (the first one kept when no cost is a number); `None` when none is kept.
 ///
@@ -1455,28 +1469,83 @@ impl Scan<'_> {
 /// included) divides `x`, so that each of the tied workers ends up chosen with probability
 /// 1/ties. Until a cost undercuts it, infinity is the running lowest with no worker at it.
 ///
-/// That scan's tie branch goes either way at random, and a route among many tied workers paid
-/// a misprediction for most of them. So the scan runs in two passes. The first branches only on
-/// a new lowest (rare and predictable) and writes every worker at the running lowest into
-/// `tied` without a branch. The draws of the ties before the lowest's first worker only advance
-/// the generator; then each of the lowest's ties draws and is taken without a branch.
+/// That scan ([`one_pass`]) branches at each tie, which way at random; where ties are many (the
+/// prefill-aware cost ties a fifth of 64 workers in the route bench) the mispredictions cost
+/// more than the rest of the scan, and [`two_pass`] draws the same numbers without those
+/// branches, at the price of a write per worker, which a scan with few ties does not repay. So
+/// the scan follows the recent ones: two passes where more than one worker in eight drew.
+#[inline]
+fn lowest_of(
+    rng: &mut Xoshiro256PlusPlus,
+    ties: &mut Ties,
+    members: impl ExactSizeIterator<Item = usize> + Clone,
+    keep: impl Fn(usize) -> bool,
+    cost: impl Fn(usize) -> f64,
+) -> Option<usize> {
+    let scanned = members.len().max(1);
+    let (chosen, draws) = if ties.per_1024 > Ties::DENSE {
+        two_pass(rng, &mut ties.at_lowest, members, keep, cost)
+    } else {
+        one_pass(rng, members, keep, cost)
+    };
+    let rate = draws.saturating_mul(1024) / scanned;
+    ties.per_1024 = (ties.per_1024 * 7 + rate.min(1024)) / 8;
+    chosen
+}
+
+/// [`lowest_of`] in one pass, as its contract reads, and how many numbers it drew.
 ///
 /// A plain loop rather than an iterator's `filter`, whose `next` (a loop of its own) the
 /// compiler leaves as a call per worker: at 1,024 workers that doubled a route with a busy
 /// threshold.
 #[inline]
-fn lowest_of(
+fn one_pass(
     rng: &mut Xoshiro256PlusPlus,
-    tied: &mut Vec<usize>,
+    members: impl Iterator<Item = usize>,
+    keep: impl Fn(usize) -> bool,
+    cost: impl Fn(usize) -> f64,
+) -> (Option<usize>, usize) {
+    let (mut best, mut ties, mut chosen) = (f64::INFINITY, 0u64, None);
+    let mut draws = 0;
+    for i in members {
+        if !keep(i) {
+            continue;
+        }
+        let c = cost(i);
+        let take = if c < best {
+            (best, ties) = (c, 1);
+            true
+        } else if c == best {
+            ties += 1;
+            draws += 1;
+            rng.next_u64() % ties == 0
+        } else {
+            false
+        };
+        if take || chosen.is_none() {
+            chosen = Some(i);
+        }
+    }
+    (chosen, draws)
+}
+
+/// [`lowest_of`] in two passes, and how many numbers it drew. The first branches only on a
+/// new lowest (rare and predictable) and writes every worker at the running lowest into
+/// `at_lowest` without a branch. The draws of the ties before the lowest's first worker only
+/// advance the generator; then each of the lowest's ties draws and is taken without a branch.
+#[inline]
+fn two_pass(
+    rng: &mut Xoshiro256PlusPlus,
+    at_lowest: &mut Vec<usize>,
     members: impl ExactSizeIterator<Item = usize> + Clone,
     keep: impl Fn(usize) -> bool,
     cost: impl Fn(usize) -> f64,
-) -> Option<usize> {
+) -> (Option<usize>, usize) {
     // Written before it is counted: one slot more than the workers.
-    if tied.len() <= members.len() {
-        tied.resize(members.len() + 1, 0);
+    if at_lowest.len() <= members.len() {
+        at_lowest.resize(members.len() + 1, 0);
     }
-    let (n, first, lows) = at_lowest(tied, members.clone(), &keep, &cost);
+    let (n, first, lows) = at_lowest_of(at_lowest, members.clone(), &keep, &cost);
     let (mut chosen, mut ties, from) = if first == usize::MAX {
         // No cost below infinity: the costs at infinity, if any, are ties with no worker.
         (None, 0, 0)
@@ -1485,24 +1554,28 @@ fn lowest_of(
         for _ in 0..first + 1 - lows {
             rng.next_u64();
         }
-        (tied.get(first).copied(), 1, first + 1)
+        (at_lowest.get(first).copied(), 1, first + 1)
     };
-    for &i in tied.get(from..n).unwrap_or_default() {
+    for &i in at_lowest.get(from..n).unwrap_or_default() {
         ties += 1;
         let take = divides(ties, rng.next_u64());
         chosen = if take { Some(i) } else { chosen };
     }
+    let draws = n - lows;
     // No cost a number: the first worker kept.
-    chosen.or_else(|| members.into_iter().find(|&i| keep(i)))
+    (
+        chosen.or_else(|| members.into_iter().find(|&i| keep(i))),
+        draws,
+    )
 }
 
-/// The first pass of [`lowest_of`]: writes the workers at the running lowest cost into
+/// The first pass of [`two_pass`]: writes the workers at the running lowest cost into
 /// `tied`, and returns how many, the slot of the lowest's first worker (`usize::MAX`: none
 /// below infinity) and the count of new lowests. A function of its own so that `tied` is a
 /// slice the compiler knows no other reference reaches: otherwise its write would make every
 /// worker's step reload the load vectors' addresses.
 #[inline]
-fn at_lowest(
+fn at_lowest_of(
     tied: &mut [usize],
     members: impl Iterator<Item = usize>,
     keep: impl Fn(usize) -> bool,
@@ -1597,27 +1670,28 @@ mod tests {
     }
 
     proptest! {
-        /// The same worker as the one-pass scan, and the generator left in the same state, for
-        /// any costs (ties, infinities, NaN, workers left out), twice in a row on one scratch.
+        /// Both scans choose the worker the naive scan does and leave the generator in the
+        /// same state, for any costs (ties, infinities, NaN, workers left out), scan after scan
+        /// on one scratch; so does `lowest_of`, whichever scan it takes.
         #[test]
         fn lowest_of_draws_as_the_one_pass_scan(
-            costs in prop::collection::vec(tie_prone(), 0..80),
-            more in prop::collection::vec(tie_prone(), 0..80),
+            scans in prop::collection::vec(prop::collection::vec(tie_prone(), 0..80), 1..6),
             seed in any::<u64>(),
         ) {
-            let mut real = Xoshiro256PlusPlus::seed_from_u64(seed);
-            let mut naive = real.clone();
-            let mut tied = Vec::new();
-            for costs in [&costs, &more] {
-                let got = lowest_of(
-                    &mut real,
-                    &mut tied,
-                    0..costs.len(),
-                    |i| costs[i].0,
-                    |i| costs[i].1,
-                );
-                prop_assert_eq!(got, lowest_naive(&mut naive, costs));
-                prop_assert_eq!(real.next_u64(), naive.next_u64());
+            let mut naive = Xoshiro256PlusPlus::seed_from_u64(seed);
+            let (mut one, mut two, mut real) = (naive.clone(), naive.clone(), naive.clone());
+            let (mut scratch, mut ties) = (Vec::new(), Ties::default());
+            for costs in &scans {
+                let all = 0..costs.len();
+                let (keep, cost) = (|i: usize| costs[i].0, |i: usize| costs[i].1);
+                let want = lowest_naive(&mut naive, costs);
+                prop_assert_eq!(one_pass(&mut one, all.clone(), keep, cost).0, want);
+                prop_assert_eq!(two_pass(&mut two, &mut scratch, all.clone(), keep, cost).0, want);
+                prop_assert_eq!(lowest_of(&mut real, &mut ties, all, keep, cost), want);
+                let next = naive.clone().next_u64();
+                for rng in [&one, &two, &real] {
+                    prop_assert_eq!(rng.clone().next_u64(), next);
+                }
             }
         }
     }
@@ -1628,19 +1702,20 @@ mod tests {
         let costs = [(false, 0.0), (true, f64::NAN), (true, f64::NAN)];
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(1);
         let before = rng.clone().next_u64();
-        let of = |keep: bool| {
-            let mut rng = rng.clone();
-            let got = lowest_of(
-                &mut rng,
-                &mut Vec::new(),
-                0..3,
-                |i| keep && costs[i].0,
-                |i| costs[i].1,
-            );
-            (got, rng.next_u64())
-        };
-        assert_eq!(of(true), (Some(1), before));
-        assert_eq!(of(false), (None, before));
+        for dense in [false, true] {
+            let of = |keep: bool| {
+                let mut rng = rng.clone();
+                let mut ties = Ties {
+                    per_1024: if dense { 1024 } else { 0 },
+                    ..Ties::default()
+                };
+                let keep = |i: usize| keep && costs[i].0;
+                let got = lowest_of(&mut rng, &mut ties, 0..3, keep, |i| costs[i].1);
+                (got, rng.next_u64())
+            };
+            assert_eq!(of(true), (Some(1), before));
+            assert_eq!(of(false), (None, before));
+        }
         assert_eq!(rng.next_u64(), before);
     }
 
