@@ -1397,9 +1397,9 @@ const DIVISIBILITY: [(u64, u64); DIVISORS] = {
     table
 };
 
-/// Whether `t` divides `x`: `x % t == 0`, without a division up to [`DIVISORS`]. A tie's draw
-/// runs it once per tied worker, and a 64-bit division takes longer than the rest of a
-/// worker's step in the scan.
+/// Whether `t` divides `x`: `x % t == 0`, without a division up to [`DIVISORS`]. The two-pass
+/// scan runs it for each tie of the lowest, one after the other with no branch to hide them
+/// behind, and a 64-bit division takes longer than the rest of a tie's step.
 ///
 /// The test of Granlund and Montgomery (Hacker's Delight, 10–17): with `t = odd × 2^k`,
 /// `t` divides `x` exactly when `x × odd⁻¹ mod 2^64`, rotated right by `k`, is at most
@@ -1424,7 +1424,7 @@ struct Scan<'a> {
 }
 
 impl Scan<'_> {
-    /// The worker of lowest `cost` among those not busy, ties broken as [`argmin`] does;
+    /// The worker of lowest `cost` among those not busy, ties broken as [`lowest_of`] does;
     /// `None` when every worker is busy.
     #[inline]
     fn lowest(
