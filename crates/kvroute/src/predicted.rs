@@ -48,6 +48,16 @@ struct Run {
     blocks: Vec<BlockHash>,
 }
 
+impl Run {
+    /// Where in `blocks` this run holds `b` as a prompt's block `r`, if it has not lapsed at
+    /// `now`.
+    #[inline]
+    fn holds_at(&self, r: usize, b: BlockHash, now: Duration) -> Option<usize> {
+        let at = r.checked_sub(self.start)?;
+        (self.lapses > now && self.blocks.get(at) == Some(&b)).then_some(at)
+    }
+}
+
 /// Block lists kept for reuse.
 const SPARE: usize = 64;
 
@@ -174,10 +184,9 @@ impl Predicted {
         for part in [front, back] {
             for run in part {
                 let r = from(run.slot);
-                let Some(at) = r.checked_sub(run.start) else {
-                    continue;
-                };
-                if run.lapses > now && run.blocks.get(at).is_some_and(|b| blocks.get(r) == Some(b))
+                if blocks
+                    .get(r)
+                    .is_some_and(|&b| run.holds_at(r, b, now).is_some())
                 {
                     out.push(run.slot);
                 }
@@ -206,10 +215,7 @@ impl Predicted {
                     if run.slot != slot {
                         continue;
                     }
-                    let Some(at) = r.checked_sub(run.start) else {
-                        continue;
-                    };
-                    if run.lapses > now && run.blocks.get(at) == Some(&b) {
+                    if let Some(at) = run.holds_at(r, b, now) {
                         end = end.max(r + common_prefix(&run.blocks[at..], &blocks[r..]));
                     }
                 }
