@@ -1095,7 +1095,13 @@ impl Router {
     /// engine reports: [`is_busy`](Self::is_busy) without a float per worker.
     #[inline]
     fn over(&self, i: usize, limits: (usize, usize)) -> bool {
-        self.decode[i] > limits.0 || self.pending[i] > limits.1 || self.reported_busy[i]
+        !self.limits(limits).free(i)
+    }
+
+    /// Who is busy under `limits` (from [`BusyThreshold::limits`]).
+    #[inline]
+    fn limits(&self, limits: (usize, usize)) -> Limits<'_> {
+        Limits::new(limits, &self.decode, &self.pending, &self.reported_busy)
     }
 
     /// The busy threshold in use.
@@ -1192,55 +1198,25 @@ impl Router {
             b.limits(self.config.block_size.get())
         });
         let t = self.config.temperature;
-        if t == 0.0 && !thresholds && self.lower.is_empty() {
-            // The common case, in one pass over the workers, reading only the load it needs.
-            let (active, pending, decode) = (&self.active, &self.pending, &self.decode);
-            let (members, overlaps) = (&self.members, &self.overlaps);
-            let (rng, tied) = (&mut self.rng, &mut self.tied);
-            let chosen = match self.config.cost_model {
-                CostModel::Seed => lowest_of(
-                    rng,
-                    tied,
-                    members.iter().copied(),
-                    |_| true,
-                    |i| cost(weight, n, overlaps.run_at(i), active[i]),
-                ),
-                CostModel::PrefillAware => lowest_of(
-                    rng,
-                    tied,
-                    members.iter().copied(),
-                    |_| true,
-                    |i| prefill_aware_cost(weight, n, overlaps.run_at(i), pending[i], decode[i]),
-                ),
-            };
-            return chosen.unwrap_or(self.members[0]);
-        }
+        let costs = Costs {
+            model: self.config.cost_model,
+            weight,
+            n,
+            active: &self.active,
+            pending: &self.pending,
+            decode: &self.decode,
+            overlaps: &self.overlaps,
+            credit: (!self.lower.is_empty()).then_some(&self.lower_credit[..]),
+        };
+        let scan = Scan {
+            members: &self.members,
+            limits: thresholds
+                .then(|| Limits::new(limits, &self.decode, &self.pending, &self.reported_busy)),
+        };
         if t == 0.0 {
             // One pass over the workers not busy, reading only the load its cost needs.
-            let (active, pending, decode) = (&self.active, &self.pending, &self.decode);
-            let (members, overlaps) = (&self.members, &self.overlaps);
-            let credit = (!self.lower.is_empty()).then_some(&self.lower_credit[..]);
             let (rng, tied) = (&mut self.rng, &mut self.tied);
-            let scan = Scan {
-                members,
-                limits: thresholds.then_some((limits, decode, pending, &self.reported_busy[..])),
-            };
-            let run = |i: usize| overlaps.run_at(i);
-            let free = match (self.config.cost_model, credit) {
-                (CostModel::Seed, None) => {
-                    scan.lowest(rng, tied, |i| cost(weight, n, run(i), active[i]))
-                }
-                (CostModel::Seed, Some(cr)) => scan.lowest(rng, tied, |i| {
-                    cost(weight, n, run(i), active[i]) - weight * cr[i]
-                }),
-                (CostModel::PrefillAware, None) => scan.lowest(rng, tied, |i| {
-                    prefill_aware_cost(weight, n, run(i), pending[i], decode[i])
-                }),
-                (CostModel::PrefillAware, Some(cr)) => scan.lowest(rng, tied, |i| {
-                    prefill_aware_cost(weight, n, run(i), pending[i], decode[i]) - weight * cr[i]
-                }),
-            };
-            if let Some(i) = free {
+            if let Some(i) = costs.scan(Lowest { scan, rng, tied }) {
                 return i;
             }
             // Every worker is busy: the least loaded.
@@ -1258,22 +1234,7 @@ impl Router {
             return chosen;
         }
         // The spread of the costs of the workers not busy, in one pass that stores nothing.
-        let (mut min, mut max, mut free) = (f64::INFINITY, f64::NEG_INFINITY, 0usize);
-        for &i in &self.members {
-            if self.over(i, limits) {
-                continue;
-            }
-            let c = self.cost_at(weight, n, i);
-            // Branches rather than `f64::min`, whose chain of dependent instructions is slower;
-            // both skip NaN.
-            if c < min {
-                min = c;
-            }
-            if c > max {
-                max = c;
-            }
-            free += 1;
-        }
+        let (min, max, free) = costs.scan(Spread { scan });
         if free > EXACT_SAMPLING {
             // By rejection: a uniformly drawn worker not busy, accepted with probability its
             // weight (see `sample_softmax_rejection`).
@@ -1414,36 +1375,160 @@ fn divides(t: u64, x: u64) -> bool {
     }
 }
 
-/// The workers a temperature-0 choice scans: `members`, less the busy ones when limits are set
-/// (busy: decode blocks above `limits.0`, pending prefill blocks above `limits.1`, or busy by
-/// what its engine reports).
+/// The workers a choice scans: `members`, less the busy ones when limits are set.
 struct Scan<'a> {
     members: &'a [usize],
-    #[allow(clippy::type_complexity)]
-    limits: Option<((usize, usize), &'a [usize], &'a [usize], &'a [bool])>,
+    limits: Option<Limits<'a>>,
 }
 
-impl Scan<'_> {
-    /// The worker of lowest `cost` among those not busy, ties broken as [`lowest_of`] does;
-    /// `None` when every worker is busy.
+/// Who is busy under a busy threshold: decode blocks above `decode_max`, pending prefill
+/// blocks above `pending_max` (see [`BusyThreshold::limits`]), or busy by what its engine
+/// reports.
+#[derive(Clone, Copy)]
+struct Limits<'a> {
+    decode_max: usize,
+    pending_max: usize,
+    decode: &'a [usize],
+    pending: &'a [usize],
+    reported: &'a [bool],
+}
+
+impl<'a> Limits<'a> {
+    /// Under `(decode_max, pending_max)`, of the loads by dense index.
     #[inline]
-    fn lowest(
-        &self,
-        rng: &mut Xoshiro256PlusPlus,
-        tied: &mut Ties,
-        cost: impl Fn(usize) -> f64,
-    ) -> Option<usize> {
-        match self.limits {
-            None => lowest_of(rng, tied, self.members.iter().copied(), |_| true, cost),
-            Some(((d, p), decode, pending, reported)) => lowest_of(
-                rng,
-                tied,
-                self.members.iter().copied(),
-                |i| decode[i] <= d && pending[i] <= p && !reported[i],
-                cost,
-            ),
+    fn new(
+        (decode_max, pending_max): (usize, usize),
+        decode: &'a [usize],
+        pending: &'a [usize],
+        reported: &'a [bool],
+    ) -> Self {
+        // Cut to one length (they have it already), so that a scan checks each index once.
+        let m = decode.len().min(pending.len()).min(reported.len());
+        Limits {
+            decode_max,
+            pending_max,
+            decode: &decode[..m],
+            pending: &pending[..m],
+            reported: &reported[..m],
         }
     }
+
+    /// Whether worker `i` is not busy.
+    #[inline]
+    fn free(&self, i: usize) -> bool {
+        self.decode[i] <= self.decode_max
+            && self.pending[i] <= self.pending_max
+            && !self.reported[i]
+    }
+}
+
+/// What a worker's cost reads for the request being routed, borrowed apart from the router's
+/// generator so that a scan can draw while it reads.
+struct Costs<'a> {
+    model: CostModel,
+    weight: f64,
+    n: usize,
+    active: &'a [usize],
+    pending: &'a [usize],
+    decode: &'a [usize],
+    overlaps: &'a Overlaps,
+    /// The lower tiers' credit by dense index, when the router has lower tiers.
+    credit: Option<&'a [f64]>,
+}
+
+impl Costs<'_> {
+    /// Runs `scan` with the cost function of the router's cost model: one closure per model,
+    /// so that each scan is compiled for the load its cost reads.
+    #[inline]
+    fn scan<S: CostScan>(&self, scan: S) -> S::Out {
+        let (weight, n) = (self.weight, self.n);
+        let (active, pending, decode) = (self.active, self.pending, self.decode);
+        let run = |i: usize| self.overlaps.run_at(i);
+        match (self.model, self.credit) {
+            (CostModel::Seed, None) => scan.run(|i| cost(weight, n, run(i), active[i])),
+            (CostModel::Seed, Some(cr)) => {
+                scan.run(|i| cost(weight, n, run(i), active[i]) - weight * cr[i])
+            }
+            (CostModel::PrefillAware, None) => {
+                scan.run(|i| prefill_aware_cost(weight, n, run(i), pending[i], decode[i]))
+            }
+            (CostModel::PrefillAware, Some(cr)) => scan.run(|i| {
+                prefill_aware_cost(weight, n, run(i), pending[i], decode[i]) - weight * cr[i]
+            }),
+        }
+    }
+}
+
+/// A pass over the workers' costs, given the cost function by [`Costs::scan`].
+trait CostScan {
+    type Out;
+    fn run(self, cost: impl Fn(usize) -> f64) -> Self::Out;
+}
+
+/// The worker of lowest cost among those not busy, ties broken as [`lowest_of`] does; `None`
+/// when every worker is busy.
+struct Lowest<'a> {
+    scan: Scan<'a>,
+    rng: &'a mut Xoshiro256PlusPlus,
+    tied: &'a mut Ties,
+}
+
+impl CostScan for Lowest<'_> {
+    type Out = Option<usize>;
+
+    #[inline]
+    fn run(self, cost: impl Fn(usize) -> f64) -> Option<usize> {
+        let members = self.scan.members.iter().copied();
+        match self.scan.limits {
+            None => lowest_of(self.rng, self.tied, members, |_| true, cost),
+            Some(l) => lowest_of(self.rng, self.tied, members, move |i| l.free(i), cost),
+        }
+    }
+}
+
+/// The lowest and highest cost of the workers not busy (NaN skipped), and how many those are.
+struct Spread<'a> {
+    scan: Scan<'a>,
+}
+
+impl CostScan for Spread<'_> {
+    type Out = (f64, f64, usize);
+
+    #[inline]
+    fn run(self, cost: impl Fn(usize) -> f64) -> (f64, f64, usize) {
+        let members = self.scan.members.iter().copied();
+        match self.scan.limits {
+            None => spread(members, |_| true, cost),
+            Some(l) => spread(members, move |i| l.free(i), cost),
+        }
+    }
+}
+
+/// The lowest and highest `cost` of the `members` that `keep` keeps (NaN skipped), and how
+/// many those are; infinities when none is a number.
+#[inline]
+fn spread(
+    members: impl Iterator<Item = usize>,
+    keep: impl Fn(usize) -> bool,
+    cost: impl Fn(usize) -> f64,
+) -> (f64, f64, usize) {
+    let (mut min, mut max, mut kept) = (f64::INFINITY, f64::NEG_INFINITY, 0usize);
+    for i in members {
+        if !keep(i) {
+            continue;
+        }
+        let c = cost(i);
+        // Branches rather than `f64::min`, whose chain of dependent instructions is slower;
+        // both skip NaN.
+        if c < min {
+            min = c;
+        }
+        if c > max {
+            max = c;
+        }
+        kept += 1;
+    }
+    (min, max, kept)
 }
 
 /// What the lowest-cost scans keep from one route to the next: the two-pass scan's record of
