@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvkit::kvblock::{BlockHash, BlockHasher, BlockSize};
 use kvkit::kvcache::{KvEvent, WorkerId};
-use kvkit::kvroute::{BusyThreshold, CostModel, Policy, RequestId, Role, Router, RouterBuilder};
+use kvkit::kvroute::{
+    BusyThreshold, CostModel, Policy, ReportedLoad, RequestId, Role, Router, RouterBuilder,
+};
 use kvtest::splitmix;
 
 const BLOCK_SIZE: usize = 16;
@@ -319,28 +321,40 @@ fn route_tokens(c: &mut Criterion) {
 }
 
 /// `route + finish` with each option of the routing model on, then all: the prefill-aware cost
-/// and a busy threshold that rarely bites (each request's first token reported with
+/// and a busy threshold that never bites here (each request's first token reported with
 /// `prefill_done`, as they need), temperature sampling, predicted blocks that lapse after 50
-/// requests (1 ms each on the clock).
+/// requests (1 ms each on the clock). While nobody is busy the router's scan skips the busy
+/// test, so the threshold is measured a second time with one worker busy by its engine's report
+/// (more waiting requests than the limit): every scan then tests each worker.
 fn route_model(c: &mut Criterion) {
     let mut group = c.benchmark_group("route + finish, options on");
     group.throughput(Throughput::Elements(1));
     let busy = BusyThreshold::new()
         .decode_fraction(0.9, 4 * 128)
-        .prefill_tokens(1 << 16);
-    // Each option, and whether it needs each request's first token reported.
+        .prefill_tokens(1 << 16)
+        .waiting_requests(8);
+    // Each option, whether it needs each request's first token reported, and whether one
+    // worker's engine reports it busy.
     type With = fn(RouterBuilder, BusyThreshold) -> RouterBuilder;
-    let options: [(&str, With, bool); 5] = [
+    let options: [(&str, With, bool, bool); 6] = [
         (
             "prefill-aware",
             |b, _| b.cost_model(CostModel::PrefillAware),
             true,
+            false,
         ),
-        ("temperature 0.5", |b, _| b.temperature(0.5), false),
-        ("busy threshold", |b, t| b.busy_threshold(t), true),
+        ("temperature 0.5", |b, _| b.temperature(0.5), false, false),
+        ("busy threshold", |b, t| b.busy_threshold(t), true, false),
+        (
+            "busy threshold, one busy",
+            |b, t| b.busy_threshold(t),
+            true,
+            true,
+        ),
         (
             "predicted 50 ms",
             |b, _| b.predicted_ttl(Duration::from_millis(50)),
+            false,
             false,
         ),
         (
@@ -352,11 +366,18 @@ fn route_model(c: &mut Criterion) {
                     .predicted_ttl(Duration::from_millis(50))
             },
             true,
+            false,
         ),
     ];
     for &workers in &[64usize, 1_024] {
-        for (name, with, first_token) in options {
+        for (name, with, first_token, one_busy) in options {
             let (mut router, queries) = fixture_with(workers, with(Router::builder(), busy));
+            if one_busy {
+                let report = ReportedLoad::new(1, 9, 0.5);
+                let w = WorkerId::new(0);
+                router.set_reported_load(w, Some(report)).expect("valid");
+                assert!(router.explain(&queries[0].blocks, Role::Unified)[0].busy);
+            }
             let mut request = 1u64 << 32;
             group.bench_function(BenchmarkId::new(name, format!("{workers} workers")), |b| {
                 b.iter(|| {

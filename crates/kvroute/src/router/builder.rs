@@ -316,6 +316,7 @@ impl RouterBuilder {
         let mut index = CacheIndex::new();
         index.set_tail_first(self.tail_first);
         let session_ttl = self.session_ttl;
+        let busy_limits = super::busy_limits(&self);
         Ok(Router {
             hasher: BlockHasher::new(self.block_size),
             ring: Ring::new(vnodes),
@@ -329,6 +330,8 @@ impl RouterBuilder {
             reported_kv: Vec::new(),
             reported_waiting: Vec::new(),
             reported_busy: Vec::new(),
+            busy_limits,
+            busy_slots: 0,
             spare: Vec::new(),
             members: Vec::new(),
             requests: Map::default(),

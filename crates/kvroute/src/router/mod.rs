@@ -21,6 +21,9 @@ use crate::{
 mod builder;
 mod sync;
 
+#[cfg(test)]
+mod busy_count;
+
 pub use builder::RouterBuilder;
 use sync::Remote;
 
@@ -140,6 +143,12 @@ pub struct Router {
     reported_waiting: Vec<usize>,
     /// Whether those make the worker busy under the busy threshold, by dense index.
     reported_busy: Vec<bool>,
+    /// The busy threshold's limits on decode and pending prefill blocks
+    /// ([`BusyThreshold::limits`]; none without a threshold).
+    busy_limits: (usize, usize),
+    /// Dense indices busy under `busy_limits` or by their reports, kept with every change of
+    /// the vectors above: while none is, a scan skips the busy test.
+    busy_slots: usize,
     /// Block lists of finished requests, reused by the next routes.
     spare: Vec<Vec<BlockHash>>,
     /// Dense indices of registered workers, in worker-id order.
@@ -253,14 +262,10 @@ impl Router {
             self.reported_waiting.resize(i + 1, 0);
             self.reported_busy.resize(i + 1, false);
         }
-        self.active[i] = 0;
-        self.pending[i] = 0;
-        self.decode[i] = 0;
-        self.reported_kv[i] = 0.0;
-        self.reported_waiting[i] = 0;
-        self.reported_busy[i] = false;
         self.generation += 1;
         self.slots[i] = Some(Load::new(worker, self.generation));
+        self.mirror(i);
+        self.set_reported(i, None);
         let pos = self
             .members
             .partition_point(|&m| self.slots[m].as_ref().is_some_and(|l| l.id < worker));
@@ -282,12 +287,8 @@ impl Router {
         self.groups.clear_worker(worker, Some(i));
         self.slots[i] = None;
         self.predicted.clear(i);
-        self.active[i] = 0;
-        self.pending[i] = 0;
-        self.decode[i] = 0;
-        self.reported_kv[i] = 0.0;
-        self.reported_waiting[i] = 0;
-        self.reported_busy[i] = false;
+        self.mirror(i);
+        self.set_reported(i, None);
         self.members.retain(|&m| m != i);
         self.ring.remove(worker);
         true
@@ -500,6 +501,7 @@ impl Router {
         self.reported_kv.clear();
         self.reported_waiting.clear();
         self.reported_busy.clear();
+        self.busy_slots = 0;
         self.predicted.clear_all();
         self.members.clear();
         self.ring = Ring::new(self.ring.vnodes());
@@ -596,16 +598,15 @@ impl Router {
             load.blocks.add(blocks);
             load.requests += 1;
             load.pending += uncached;
-            self.active[chosen] = load.blocks.len();
-            self.pending[chosen] = load.pending;
-            if !ttl.is_zero() {
-                let lapses = self.now.saturating_add(ttl);
-                if let Some(rest) = blocks.get(hits..) {
-                    self.predicted.add(chosen, hits, rest, lapses);
-                }
-            }
             (load.id, load.generation)
         };
+        self.mirror(chosen);
+        if !ttl.is_zero() {
+            let lapses = self.now.saturating_add(ttl);
+            if let Some(rest) = blocks.get(hits..) {
+                self.predicted.add(chosen, hits, rest, lapses);
+            }
+        }
         let mut kept = self.spare.pop().unwrap_or_default();
         kept.extend_from_slice(blocks);
         self.requests.insert(
@@ -924,9 +925,7 @@ impl Router {
                     Some(p) => load.pending -= p,
                     None => load.decode.release(&req.blocks),
                 }
-                self.active[req.slot] = load.blocks.len();
-                self.pending[req.slot] = load.pending;
-                self.decode[req.slot] = load.decode.len();
+                self.mirror(req.slot);
             }
         }
         if self.spare.len() < 64 {
@@ -969,8 +968,8 @@ impl Router {
             if load.generation == req.generation {
                 load.pending -= p;
                 load.decode.add(&req.blocks);
-                self.pending[req.slot] = load.pending;
-                self.decode[req.slot] = load.decode.len();
+                let slot = req.slot;
+                self.mirror(slot);
             }
         }
         self.share(LoadChange::PrefillDone {
@@ -1060,9 +1059,7 @@ impl Router {
             return Ok(false);
         };
         slot.reported = load;
-        self.reported_kv[i] = load.map_or(0.0, |l| l.kv_usage);
-        self.reported_waiting[i] = load.map_or(0, |l| l.waiting);
-        self.mark_reported_busy(i);
+        self.set_reported(i, load);
         Ok(true)
     }
 
@@ -1077,18 +1074,51 @@ impl Router {
             t.validate()?;
         }
         self.config.busy = threshold;
+        self.busy_limits = busy_limits(&self.config);
         for i in 0..self.reported_busy.len() {
-            self.mark_reported_busy(i);
+            self.reported_busy[i] = self.reported_busy_at(i);
         }
+        self.busy_slots = (0..self.reported_busy.len())
+            .filter(|&i| self.over(i, self.busy_limits))
+            .count();
         Ok(())
     }
 
-    /// Recomputes whether worker `i`'s reported load makes it busy.
-    fn mark_reported_busy(&mut self, i: usize) {
-        self.reported_busy[i] = self
-            .config
+    /// Whether worker `i`'s reported load makes it busy.
+    fn reported_busy_at(&self, i: usize) -> bool {
+        self.config
             .busy
-            .is_some_and(|b| b.reported_busy(self.reported_kv[i], self.reported_waiting[i]));
+            .is_some_and(|b| b.reported_busy(self.reported_kv[i], self.reported_waiting[i]))
+    }
+
+    /// Records what worker `i`'s engine reports of its load (`None`: nothing), keeping
+    /// `busy_slots`.
+    fn set_reported(&mut self, i: usize, load: Option<ReportedLoad>) {
+        let was = self.over(i, self.busy_limits);
+        self.reported_kv[i] = load.map_or(0.0, |l| l.kv_usage);
+        self.reported_waiting[i] = load.map_or(0, |l| l.waiting);
+        self.reported_busy[i] = self.reported_busy_at(i);
+        self.count_busy(was, i);
+    }
+
+    /// Copies worker `i`'s load (none when its slot is empty) into the vectors the scans read,
+    /// keeping `busy_slots`. Every change of a worker's load ends here.
+    fn mirror(&mut self, i: usize) {
+        let was = self.over(i, self.busy_limits);
+        let (active, pending, decode) = self.slots[i]
+            .as_ref()
+            .map_or((0, 0, 0), |l| (l.blocks.len(), l.pending, l.decode.len()));
+        self.active[i] = active;
+        self.pending[i] = pending;
+        self.decode[i] = decode;
+        self.count_busy(was, i);
+    }
+
+    /// Counts worker `i`'s change in `busy_slots`, given whether it was busy before.
+    #[inline]
+    fn count_busy(&mut self, was: bool, i: usize) {
+        let now = self.over(i, self.busy_limits);
+        self.busy_slots = self.busy_slots + usize::from(now) - usize::from(was);
     }
 
     /// Whether worker `i` is busy under `limits` (from [`BusyThreshold::limits`]) or by what its
@@ -1193,10 +1223,9 @@ impl Router {
     /// the least loaded), the lowest cost, or a sample at the router's temperature.
     fn choose_kv(&mut self, weight: f64, n: usize) -> usize {
         // Busy when decode > limits.0 or pending > limits.1 (see `BusyThreshold::limits`).
-        let thresholds = self.config.busy.is_some();
-        let limits = self.config.busy.map_or((usize::MAX, usize::MAX), |b| {
-            b.limits(self.config.block_size.get())
-        });
+        // Nobody busy: every worker is scanned, without the test.
+        let thresholds = self.busy_slots > 0;
+        let limits = self.busy_limits;
         let t = self.config.temperature;
         let costs = Costs {
             model: self.config.cost_model,
@@ -1310,6 +1339,14 @@ impl Router {
     fn uniform(&mut self, n: usize) -> usize {
         ((u128::from(self.rng.next_u64()) * n as u128) >> 64) as usize
     }
+}
+
+/// The busy threshold's limits on decode and pending prefill blocks under `config` (see
+/// [`BusyThreshold::limits`]); none without a threshold.
+fn busy_limits(config: &RouterBuilder) -> (usize, usize) {
+    config.busy.map_or((usize::MAX, usize::MAX), |b| {
+        b.limits(config.block_size.get())
+    })
 }
 
 /// Up to this many candidates, temperature sampling computes every candidate's weight

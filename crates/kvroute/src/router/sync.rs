@@ -94,9 +94,8 @@ impl Router {
                     Some(p) => load.pending += p,
                     None => load.decode.add(blocks),
                 }
-                self.active[i] = load.blocks.len();
-                self.pending[i] = load.pending;
-                self.decode[i] = load.decode.len();
+                let generation = load.generation;
+                self.mirror(i);
                 let predicted = self.config.predicted_ttl;
                 if !predicted.is_zero() {
                     // On this router's clock, like its own predictions, so the expiry queue
@@ -113,7 +112,6 @@ impl Router {
                         at = start + len;
                     }
                 }
-                let generation = load.generation;
                 self.remote.insert(
                     key,
                     Remote {
@@ -141,8 +139,8 @@ impl Router {
                     Some(load) if load.generation == r.generation => {
                         load.pending -= p;
                         load.decode.add(&r.blocks);
-                        self.pending[r.slot] = load.pending;
-                        self.decode[r.slot] = load.decode.len();
+                        let slot = r.slot;
+                        self.mirror(slot);
                         true
                     }
                     _ => false,
@@ -169,9 +167,7 @@ impl Router {
                     Some(p) => load.pending -= p,
                     None => load.decode.release(&r.blocks),
                 }
-                self.active[r.slot] = load.blocks.len();
-                self.pending[r.slot] = load.pending;
-                self.decode[r.slot] = load.decode.len();
+                self.mirror(r.slot);
                 true
             }
             _ => false,
