@@ -1,7 +1,8 @@
 //! A map from block hashes to small values in which a lookup waits for one memory access:
 //! bucketized cuckoo hashing.
 //!
-//! Every key may live in one of two buckets, each one aligned cache line of [`WAYS`] slots,
+//! Every key may live in one of two buckets, each one aligned cache line of `N` slots (by
+//! default [`WAYS`]; five for 4-byte values, [`COMPACT_WAYS`]),
 //! whose addresses follow from the key's hash alone. A lookup reads both lines at once, so
 //! their cache misses overlap, where a swiss table reads its control bytes and only then the
 //! entry (two misses one after the other): on an index larger than the CPU cache a query's
@@ -32,6 +33,11 @@ impl Vacant for u32 {
 /// Slots per bucket: four `u64` keys and their values fill a 64-byte line when values are
 /// 8 bytes.
 const WAYS: usize = 4;
+/// Slots per bucket for 4-byte values: five keys and their values fit a 64-byte line (60
+/// bytes), so a map of them takes a fifth fewer lines, and half as many where that fraction
+/// keeps the bucket count below the next power of two.
+pub(crate) const COMPACT_WAYS: usize = 5;
+const _: () = assert!(std::mem::size_of::<Bucket<u32, COMPACT_WAYS>>() == 64);
 /// By default the table grows past this share of its slots (as a swiss table does), in
 /// eighths.
 const LOAD_EIGHTHS: usize = 7;
@@ -44,34 +50,34 @@ const LOOKAHEAD: usize = 32;
 
 #[derive(Debug, Clone, Copy)]
 #[repr(C, align(64))]
-struct Bucket<V> {
-    keys: [u64; WAYS],
-    vals: [V; WAYS],
+struct Bucket<V, const N: usize> {
+    keys: [u64; N],
+    vals: [V; N],
 }
 
-impl<V: Vacant> Bucket<V> {
+impl<V: Vacant, const N: usize> Bucket<V, N> {
     const EMPTY: Self = Bucket {
-        keys: [0; WAYS],
-        vals: [V::VACANT; WAYS],
+        keys: [0; N],
+        vals: [V::VACANT; N],
     };
 
     #[inline]
     fn find(&self, key: u64) -> Option<usize> {
-        (0..WAYS).find(|&w| self.keys[w] == key && self.vals[w] != V::VACANT)
+        (0..N).find(|&w| self.keys[w] == key && self.vals[w] != V::VACANT)
     }
 
     /// Free slots, as a bit mask of ways.
     #[inline]
     fn free(&self) -> u32 {
-        (0..WAYS).fold(0, |m, w| m | (u32::from(self.vals[w] == V::VACANT) << w))
+        (0..N).fold(0, |m, w| m | (u32::from(self.vals[w] == V::VACANT) << w))
     }
 }
 
 /// The map; see the module docs.
 #[derive(Debug, Clone)]
-pub(crate) struct BlockMap<V> {
+pub(crate) struct BlockMap<V, const N: usize = WAYS> {
     /// A power of two of them, or none before the first insert.
-    buckets: Vec<Bucket<V>>,
+    buckets: Vec<Bucket<V, N>>,
     len: usize,
     /// Which slot the next displacement takes (rotating: deterministic).
     kicks: usize,
@@ -79,7 +85,7 @@ pub(crate) struct BlockMap<V> {
     max_load: usize,
 }
 
-impl<V: Vacant> Default for BlockMap<V> {
+impl<V: Vacant, const N: usize> Default for BlockMap<V, N> {
     fn default() -> Self {
         BlockMap::with_max_load(LOAD_EIGHTHS)
     }
@@ -92,7 +98,7 @@ pub(crate) fn spread(key: u64) -> u64 {
     (m as u64) ^ ((m >> 64) as u64)
 }
 
-impl<V: Vacant> BlockMap<V> {
+impl<V: Vacant, const N: usize> BlockMap<V, N> {
     /// An empty map that grows past `eighths` eighths of its slots (1 to 7). The fuller, the
     /// smaller, but the more often an insert finds both of its buckets full and moves entries
     /// (at 7/8, about one insert in eight in steady churn; at 1/2, hardly ever).
@@ -206,7 +212,7 @@ impl<V: Vacant> BlockMap<V> {
     #[inline(always)]
     pub(crate) fn get_or_insert(&mut self, key: BlockHash, val: V) -> Option<&mut V> {
         let k = key.get();
-        if (self.len + 1) * 8 <= self.buckets.len() * WAYS * self.max_load {
+        if (self.len + 1) * 8 <= self.buckets.len() * N * self.max_load {
             let (a, b) = self.buckets_of(k);
             let found = match self.buckets[a].find(k) {
                 Some(w) => Some((a, w)),
@@ -230,7 +236,7 @@ impl<V: Vacant> BlockMap<V> {
     /// just looked it up).
     pub(crate) fn insert_vacant(&mut self, key: BlockHash, val: V) {
         debug_assert!(val != V::VACANT && !self.contains_key(&key));
-        if (self.len + 1) * 8 > self.buckets.len() * WAYS * self.max_load {
+        if (self.len + 1) * 8 > self.buckets.len() * N * self.max_load {
             self.grow();
         }
         let mut homeless = (key.get(), val);
@@ -275,7 +281,7 @@ impl<V: Vacant> BlockMap<V> {
         // Both full: an entry of either whose other bucket has room moves there (these reads
         // do not depend on each other); failing that, a walk.
         for at in [a, b] {
-            for w in 0..WAYS {
+            for w in 0..N {
                 let moved = self.buckets[at].keys[w];
                 let (x, y) = self.buckets_of(moved);
                 let alt = if x == at { y } else { x };
@@ -296,7 +302,7 @@ impl<V: Vacant> BlockMap<V> {
     /// bucket, until one has room or [`MAX_KICKS`] steps pass.
     fn walk(&mut self, mut at: usize, mut key: u64, mut val: V) -> Option<(u64, V)> {
         for _ in 0..MAX_KICKS {
-            let w = self.kicks % WAYS;
+            let w = self.kicks % N;
             self.kicks = self.kicks.wrapping_add(1);
             let bucket = &mut self.buckets[at];
             std::mem::swap(&mut bucket.keys[w], &mut key);
@@ -320,7 +326,7 @@ impl<V: Vacant> BlockMap<V> {
         let old = std::mem::replace(&mut self.buckets, vec![Bucket::EMPTY; (n * 2).max(2)]);
         for (i, bucket) in old.iter().enumerate() {
             let mut fill = [0usize; 2];
-            for w in 0..WAYS {
+            for w in 0..N {
                 if bucket.vals[w] == V::VACANT {
                     continue;
                 }
@@ -343,7 +349,7 @@ impl<V: Vacant> BlockMap<V> {
     /// [`Vacant::VACANT`]) returns true.
     pub(crate) fn retain(&mut self, mut keep: impl FnMut(BlockHash, &mut V) -> bool) {
         for bucket in &mut self.buckets {
-            for w in 0..WAYS {
+            for w in 0..N {
                 if bucket.vals[w] != V::VACANT
                     && !keep(BlockHash::new(bucket.keys[w]), &mut bucket.vals[w])
                 {
@@ -357,7 +363,7 @@ impl<V: Vacant> BlockMap<V> {
     /// Every entry, in slot order.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (BlockHash, V)> + '_ {
         self.buckets.iter().flat_map(|b| {
-            (0..WAYS)
+            (0..N)
                 .filter(|&w| b.vals[w] != V::VACANT)
                 .map(|w| (BlockHash::new(b.keys[w]), b.vals[w]))
         })
@@ -415,7 +421,7 @@ impl<V: Vacant> BlockMap<V> {
     fn check(&self) -> Result<(), String> {
         let mut seen = std::collections::HashSet::new();
         for (i, bucket) in self.buckets.iter().enumerate() {
-            for w in 0..WAYS {
+            for w in 0..N {
                 if bucket.vals[w] == V::VACANT {
                     continue;
                 }
@@ -490,86 +496,104 @@ mod tests {
     proptest! {
         // A few cases under Miri (which runs kvcache's tests in CI), all of them otherwise.
         #![proptest_config(ProptestConfig::with_cases(if cfg!(miri) { 3 } else { 256 }))]
-        /// The same operations on the map (at any highest load) and on a `BTreeMap` give the
-        /// same answers; the table's invariants hold after every step.
+        /// The same operations on the map (at any highest load, with four or five ways) and on
+        /// a `BTreeMap` give the same answers; the table's invariants hold after every step.
         #[test]
-        fn behaves_like_a_map(load in 1usize..8, ops in prop::collection::vec(op(), 1..MAX_OPS)) {
-            let mut map = BlockMap::<u32>::with_max_load(load);
-            let mut model = BTreeMap::<u64, u32>::new();
-            for op in ops {
-                match op {
-                    Op::Insert(k, v) => {
-                        prop_assert_eq!(map.insert(BlockHash::new(k), v), model.insert(k, v));
-                    }
-                    Op::Remove(k) => {
-                        prop_assert_eq!(map.remove(&BlockHash::new(k)), model.remove(&k));
-                    }
-                    Op::Get(k) => {
-                        prop_assert_eq!(map.get(&BlockHash::new(k)), model.get(&k).copied());
-                        prop_assert_eq!(map.contains_key(&BlockHash::new(k)), model.contains_key(&k));
-                    }
-                    Op::Update(k, v) => {
-                        if let Some(x) = map.get_mut(&BlockHash::new(k)) {
-                            *x = v;
-                        }
-                        if let Some(x) = model.get_mut(&k) {
-                            *x = v;
-                        }
-                    }
-                    Op::UpdateOrRemove(k, v) => {
-                        let got = map.update(&BlockHash::new(k), |x| std::mem::replace(x, v), |x| x % 3 != 0);
-                        let want = model.get_mut(&k).map(|x| std::mem::replace(x, v));
-                        if v % 3 == 0 {
-                            model.remove(&k);
-                        }
-                        prop_assert_eq!(got, want);
-                    }
-                    Op::InsertAbsent(k, v) => {
-                        let absent = !model.contains_key(&k);
-                        if absent {
-                            model.insert(k, v);
-                        }
-                        prop_assert_eq!(map.insert_absent(BlockHash::new(k), v), absent);
-                    }
-                    Op::GetOrInsert(k, v) => {
-                        let got = map.get_or_insert(BlockHash::new(k), v).map(|x| {
-                            *x += 1;
-                            *x
-                        });
-                        let want = match model.get_mut(&k) {
-                            Some(x) => {
-                                *x += 1;
-                                Some(*x)
-                            }
-                            None => {
-                                model.insert(k, v);
-                                None
-                            }
-                        };
-                        prop_assert_eq!(got, want);
-                    }
-                    Op::Clear => {
-                        map.clear();
-                        model.clear();
-                    }
-                    Op::Retain => {
-                        map.retain(|_, v| {
-                            *v += 1;
-                            *v % 2 == 1
-                        });
-                        model.retain(|_, v| {
-                            *v += 1;
-                            *v % 2 == 1
-                        });
-                    }
-                }
-                prop_assert_eq!(map.check(), Ok(()));
-                prop_assert_eq!(map.len(), model.len());
-                let mut all: Vec<(u64, u32)> = map.iter().map(|(k, v)| (k.get(), v)).collect();
-                all.sort_unstable();
-                prop_assert_eq!(all, model.iter().map(|(&k, &v)| (k, v)).collect::<Vec<_>>());
+        fn behaves_like_a_map(
+            load in 1usize..8,
+            five in any::<bool>(),
+            ops in prop::collection::vec(op(), 1..MAX_OPS),
+        ) {
+            if five {
+                like_a_map::<COMPACT_WAYS>(load, ops)?;
+            } else {
+                like_a_map::<4>(load, ops)?;
             }
         }
+    }
+
+    /// One case of `behaves_like_a_map`, with `N` ways.
+    fn like_a_map<const N: usize>(load: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
+        let mut map = BlockMap::<u32, N>::with_max_load(load);
+        let mut model = BTreeMap::<u64, u32>::new();
+        for op in ops {
+            match op {
+                Op::Insert(k, v) => {
+                    prop_assert_eq!(map.insert(BlockHash::new(k), v), model.insert(k, v));
+                }
+                Op::Remove(k) => {
+                    prop_assert_eq!(map.remove(&BlockHash::new(k)), model.remove(&k));
+                }
+                Op::Get(k) => {
+                    prop_assert_eq!(map.get(&BlockHash::new(k)), model.get(&k).copied());
+                    prop_assert_eq!(map.contains_key(&BlockHash::new(k)), model.contains_key(&k));
+                }
+                Op::Update(k, v) => {
+                    if let Some(x) = map.get_mut(&BlockHash::new(k)) {
+                        *x = v;
+                    }
+                    if let Some(x) = model.get_mut(&k) {
+                        *x = v;
+                    }
+                }
+                Op::UpdateOrRemove(k, v) => {
+                    let got = map.update(
+                        &BlockHash::new(k),
+                        |x| std::mem::replace(x, v),
+                        |x| x % 3 != 0,
+                    );
+                    let want = model.get_mut(&k).map(|x| std::mem::replace(x, v));
+                    if v % 3 == 0 {
+                        model.remove(&k);
+                    }
+                    prop_assert_eq!(got, want);
+                }
+                Op::InsertAbsent(k, v) => {
+                    let absent = !model.contains_key(&k);
+                    if absent {
+                        model.insert(k, v);
+                    }
+                    prop_assert_eq!(map.insert_absent(BlockHash::new(k), v), absent);
+                }
+                Op::GetOrInsert(k, v) => {
+                    let got = map.get_or_insert(BlockHash::new(k), v).map(|x| {
+                        *x += 1;
+                        *x
+                    });
+                    let want = match model.get_mut(&k) {
+                        Some(x) => {
+                            *x += 1;
+                            Some(*x)
+                        }
+                        None => {
+                            model.insert(k, v);
+                            None
+                        }
+                    };
+                    prop_assert_eq!(got, want);
+                }
+                Op::Clear => {
+                    map.clear();
+                    model.clear();
+                }
+                Op::Retain => {
+                    map.retain(|_, v| {
+                        *v += 1;
+                        *v % 2 == 1
+                    });
+                    model.retain(|_, v| {
+                        *v += 1;
+                        *v % 2 == 1
+                    });
+                }
+            }
+            prop_assert_eq!(map.check(), Ok(()));
+            prop_assert_eq!(map.len(), model.len());
+            let mut all: Vec<(u64, u32)> = map.iter().map(|(k, v)| (k.get(), v)).collect();
+            all.sort_unstable();
+            prop_assert_eq!(all, model.iter().map(|(&k, &v)| (k, v)).collect::<Vec<_>>());
+        }
+        Ok(())
     }
 
     /// A million keys in, every one found, half removed, the rest still found: the walk and the
