@@ -1227,6 +1227,31 @@ impl Router {
         let thresholds = self.busy_slots > 0;
         let limits = self.busy_limits;
         let t = self.config.temperature;
+        if t == 0.0 && !thresholds && self.lower.is_empty() {
+            // The common case, written out: the same scan through `Costs::scan` ran 5–10%
+            // slower at 1,024 workers with the prefill-aware cost (the compiler's choices, not
+            // the loop's instructions, which read alike).
+            let (active, pending, decode) = (&self.active, &self.pending, &self.decode);
+            let (members, overlaps) = (&self.members, &self.overlaps);
+            let (rng, tied) = (&mut self.rng, &mut self.tied);
+            let chosen = match self.config.cost_model {
+                CostModel::Seed => lowest_of(
+                    rng,
+                    tied,
+                    members.iter().copied(),
+                    |_| true,
+                    |i| cost(weight, n, overlaps.run_at(i), active[i]),
+                ),
+                CostModel::PrefillAware => lowest_of(
+                    rng,
+                    tied,
+                    members.iter().copied(),
+                    |_| true,
+                    |i| prefill_aware_cost(weight, n, overlaps.run_at(i), pending[i], decode[i]),
+                ),
+            };
+            return chosen.unwrap_or(self.members[0]);
+        }
         let costs = Costs {
             model: self.config.cost_model,
             weight,
