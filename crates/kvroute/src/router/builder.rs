@@ -332,6 +332,8 @@ impl RouterBuilder {
             reported_busy: Vec::new(),
             busy_limits,
             busy_slots: 0,
+            free_members: Vec::new(),
+            free_stale: true,
             spare: Vec::new(),
             members: Vec::new(),
             requests: Map::default(),

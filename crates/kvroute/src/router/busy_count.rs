@@ -1,6 +1,7 @@
-//! The count of busy workers, which lets the scans skip the busy test while it is 0, checked
-//! against a count from the workers' loads themselves after every operation that changes a
-//! load, a report, the threshold or the workers.
+//! The count of busy workers (while it is 0 the scans take every member) and the list of the
+//! members not busy (which the scans take otherwise), checked against the workers' loads
+//! themselves after every operation that changes a load, a report, the threshold or the
+//! workers.
 
 use std::time::Duration;
 
@@ -91,21 +92,35 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// Busy slots counted from the loads themselves, with the threshold's own test.
-fn naive(router: &Router) -> usize {
-    let Some(b) = router.config.busy else {
-        return 0;
-    };
+/// Whether a worker with this load is busy, by the threshold's own test.
+fn busy(router: &Router, load: &super::Load) -> bool {
     let block = router.config.block_size.get();
+    let (kv, waiting) = load.reported.map_or((0.0, 0), |r| (r.kv_usage, r.waiting));
+    router
+        .config
+        .busy
+        .is_some_and(|b| b.is_busy(load.decode.len(), load.pending * block, kv, waiting))
+}
+
+/// Busy slots counted from the loads themselves.
+fn naive(router: &Router) -> usize {
     router
         .slots
         .iter()
         .flatten()
-        .filter(|l| {
-            let (kv, waiting) = l.reported.map_or((0.0, 0), |r| (r.kv_usage, r.waiting));
-            b.is_busy(l.decode.len(), l.pending * block, kv, waiting)
-        })
+        .filter(|l| busy(router, l))
         .count()
+}
+
+/// The members not busy, in member order, from the loads themselves.
+fn naive_free(router: &Router) -> Vec<usize> {
+    let load = |i: usize| router.slots[i].as_ref().expect("a member has a load");
+    router
+        .members
+        .iter()
+        .copied()
+        .filter(|&i| !busy(router, load(i)))
+        .collect()
 }
 
 fn threshold((decode, tokens, waiting): (usize, usize, usize)) -> BusyThreshold {
@@ -196,9 +211,13 @@ proptest! {
                     routers[r].expire_remote_load(Duration::from_secs(secs * 40));
                 }
             }
-            for router in &routers {
+            for router in &mut routers {
                 prop_assert_eq!(router.busy_slots, naive(router));
                 prop_assert_eq!(router.busy_limits, super::busy_limits(&router.config));
+                router.refresh_free();
+                if router.busy_slots > 0 {
+                    prop_assert_eq!(&router.free_members, &naive_free(router));
+                }
             }
         }
     }

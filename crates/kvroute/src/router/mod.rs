@@ -149,6 +149,10 @@ pub struct Router {
     /// Dense indices busy under `busy_limits` or by their reports, kept with every change of
     /// the vectors above: while none is, a scan skips the busy test.
     busy_slots: usize,
+    /// `members` less the busy, for the scans while some worker is busy; rebuilt when
+    /// `free_stale` (a worker became busy or free, or the members changed).
+    free_members: Vec<usize>,
+    free_stale: bool,
     /// Block lists of finished requests, reused by the next routes.
     spare: Vec<Vec<BlockHash>>,
     /// Dense indices of registered workers, in worker-id order.
@@ -270,6 +274,7 @@ impl Router {
             .members
             .partition_point(|&m| self.slots[m].as_ref().is_some_and(|l| l.id < worker));
         self.members.insert(pos, i);
+        self.free_stale = true;
         self.ring.add(worker);
         true
     }
@@ -290,6 +295,7 @@ impl Router {
         self.mirror(i);
         self.set_reported(i, None);
         self.members.retain(|&m| m != i);
+        self.free_stale = true;
         self.ring.remove(worker);
         true
     }
@@ -326,10 +332,12 @@ impl Router {
                 .members
                 .partition_point(|&m| self.slots[m].as_ref().is_some_and(|l| l.id < worker));
             self.members.insert(pos, i);
+            self.free_stale = true;
             self.ring.add(worker);
             self.next_rr = 0;
         } else if !routable && listed {
             self.members.retain(|&m| m != i);
+            self.free_stale = true;
             self.ring.remove(worker);
             self.next_rr = 0;
         }
@@ -504,6 +512,7 @@ impl Router {
         self.busy_slots = 0;
         self.predicted.clear_all();
         self.members.clear();
+        self.free_stale = true;
         self.ring = Ring::new(self.ring.vnodes());
         for w in listed {
             // The index has them already; this registers them for load tracking and the ring.
@@ -1081,6 +1090,7 @@ impl Router {
         self.busy_slots = (0..self.reported_busy.len())
             .filter(|&i| self.over(i, self.busy_limits))
             .count();
+        self.free_stale = true;
         Ok(())
     }
 
@@ -1119,19 +1129,32 @@ impl Router {
     fn count_busy(&mut self, was: bool, i: usize) {
         let now = self.over(i, self.busy_limits);
         self.busy_slots = self.busy_slots + usize::from(now) - usize::from(was);
+        self.free_stale |= now != was;
+    }
+
+    /// Brings `free_members` up to date, while some worker is busy and it is stale.
+    fn refresh_free(&mut self) {
+        if self.busy_slots == 0 || !self.free_stale {
+            return;
+        }
+        let mut free = std::mem::take(&mut self.free_members);
+        free.clear();
+        let limits = self.busy_limits;
+        free.extend(
+            self.members
+                .iter()
+                .copied()
+                .filter(|&i| !self.over(i, limits)),
+        );
+        self.free_members = free;
+        self.free_stale = false;
     }
 
     /// Whether worker `i` is busy under `limits` (from [`BusyThreshold::limits`]) or by what its
     /// engine reports: [`is_busy`](Self::is_busy) without a float per worker.
     #[inline]
     fn over(&self, i: usize, limits: (usize, usize)) -> bool {
-        !self.limits(limits).free(i)
-    }
-
-    /// Who is busy under `limits` (from [`BusyThreshold::limits`]).
-    #[inline]
-    fn limits(&self, limits: (usize, usize)) -> Limits<'_> {
-        Limits::new(limits, &self.decode, &self.pending, &self.reported_busy)
+        self.decode[i] > limits.0 || self.pending[i] > limits.1 || self.reported_busy[i]
     }
 
     /// The busy threshold in use.
@@ -1252,6 +1275,13 @@ impl Router {
             };
             return chosen.unwrap_or(self.members[0]);
         }
+        // The workers not busy, in member order: the scans take them without a busy test.
+        self.refresh_free();
+        let scanned = if thresholds {
+            &self.free_members[..]
+        } else {
+            &self.members[..]
+        };
         let costs = Costs {
             model: self.config.cost_model,
             weight,
@@ -1262,15 +1292,15 @@ impl Router {
             overlaps: &self.overlaps,
             credit: (!self.lower.is_empty()).then_some(&self.lower_credit[..]),
         };
-        let scan = Scan {
-            members: &self.members,
-            limits: thresholds
-                .then(|| Limits::new(limits, &self.decode, &self.pending, &self.reported_busy)),
-        };
         if t == 0.0 {
             // One pass over the workers not busy, reading only the load its cost needs.
             let (rng, tied) = (&mut self.rng, &mut self.tied);
-            if let Some(i) = costs.scan(Lowest { scan, rng, tied }) {
+            let lowest = Lowest {
+                members: scanned,
+                rng,
+                tied,
+            };
+            if let Some(i) = costs.scan(lowest) {
                 return i;
             }
             // Every worker is busy: the least loaded.
@@ -1288,7 +1318,7 @@ impl Router {
             return chosen;
         }
         // The spread of the costs of the workers not busy, in one pass that stores nothing.
-        let (min, max, free) = costs.scan(Spread { scan });
+        let (min, max, free) = costs.scan(Spread { members: scanned });
         if free > EXACT_SAMPLING {
             // By rejection: a uniformly drawn worker not busy, accepted with probability its
             // weight (see `sample_softmax_rejection`).
@@ -1437,53 +1467,6 @@ fn divides(t: u64, x: u64) -> bool {
     }
 }
 
-/// The workers a choice scans: `members`, less the busy ones when limits are set.
-struct Scan<'a> {
-    members: &'a [usize],
-    limits: Option<Limits<'a>>,
-}
-
-/// Who is busy under a busy threshold: decode blocks above `decode_max`, pending prefill
-/// blocks above `pending_max` (see [`BusyThreshold::limits`]), or busy by what its engine
-/// reports.
-#[derive(Clone, Copy)]
-struct Limits<'a> {
-    decode_max: usize,
-    pending_max: usize,
-    decode: &'a [usize],
-    pending: &'a [usize],
-    reported: &'a [bool],
-}
-
-impl<'a> Limits<'a> {
-    /// Under `(decode_max, pending_max)`, of the loads by dense index.
-    #[inline]
-    fn new(
-        (decode_max, pending_max): (usize, usize),
-        decode: &'a [usize],
-        pending: &'a [usize],
-        reported: &'a [bool],
-    ) -> Self {
-        // Cut to one length (they have it already), so that a scan checks each index once.
-        let m = decode.len().min(pending.len()).min(reported.len());
-        Limits {
-            decode_max,
-            pending_max,
-            decode: &decode[..m],
-            pending: &pending[..m],
-            reported: &reported[..m],
-        }
-    }
-
-    /// Whether worker `i` is not busy.
-    #[inline]
-    fn free(&self, i: usize) -> bool {
-        self.decode[i] <= self.decode_max
-            && self.pending[i] <= self.pending_max
-            && !self.reported[i]
-    }
-}
-
 /// What a worker's cost reads for the request being routed, borrowed apart from the router's
 /// generator so that a scan can draw while it reads.
 struct Costs<'a> {
@@ -1527,10 +1510,10 @@ trait CostScan {
     fn run(self, cost: impl Fn(usize) -> f64) -> Self::Out;
 }
 
-/// The worker of lowest cost among those not busy, ties broken as [`lowest_of`] does; `None`
-/// when every worker is busy.
+/// The worker of `members` (those not busy) of lowest cost, ties broken as [`lowest_of`] does;
+/// `None` when there is none.
 struct Lowest<'a> {
-    scan: Scan<'a>,
+    members: &'a [usize],
     rng: &'a mut Xoshiro256PlusPlus,
     tied: &'a mut Ties,
 }
@@ -1540,17 +1523,15 @@ impl CostScan for Lowest<'_> {
 
     #[inline]
     fn run(self, cost: impl Fn(usize) -> f64) -> Option<usize> {
-        let members = self.scan.members.iter().copied();
-        match self.scan.limits {
-            None => lowest_of(self.rng, self.tied, members, |_| true, cost),
-            Some(l) => lowest_of(self.rng, self.tied, members, move |i| l.free(i), cost),
-        }
+        let members = self.members.iter().copied();
+        lowest_of(self.rng, self.tied, members, |_| true, cost)
     }
 }
 
-/// The lowest and highest cost of the workers not busy (NaN skipped), and how many those are.
+/// The lowest and highest cost of `members` (those not busy; NaN skipped), and how many those
+/// are.
 struct Spread<'a> {
-    scan: Scan<'a>,
+    members: &'a [usize],
 }
 
 impl CostScan for Spread<'_> {
@@ -1558,27 +1539,16 @@ impl CostScan for Spread<'_> {
 
     #[inline]
     fn run(self, cost: impl Fn(usize) -> f64) -> (f64, f64, usize) {
-        let members = self.scan.members.iter().copied();
-        match self.scan.limits {
-            None => spread(members, |_| true, cost),
-            Some(l) => spread(members, move |i| l.free(i), cost),
-        }
+        spread(self.members.iter().copied(), cost)
     }
 }
 
-/// The lowest and highest `cost` of the `members` that `keep` keeps (NaN skipped), and how
-/// many those are; infinities when none is a number.
+/// The lowest and highest `cost` of `members` (NaN skipped), and how many those are;
+/// infinities when none is a number.
 #[inline]
-fn spread(
-    members: impl Iterator<Item = usize>,
-    keep: impl Fn(usize) -> bool,
-    cost: impl Fn(usize) -> f64,
-) -> (f64, f64, usize) {
-    let (mut min, mut max, mut kept) = (f64::INFINITY, f64::NEG_INFINITY, 0usize);
+fn spread(members: impl Iterator<Item = usize>, cost: impl Fn(usize) -> f64) -> (f64, f64, usize) {
+    let (mut min, mut max, mut count) = (f64::INFINITY, f64::NEG_INFINITY, 0usize);
     for i in members {
-        if !keep(i) {
-            continue;
-        }
         let c = cost(i);
         // Branches rather than `f64::min`, whose chain of dependent instructions is slower;
         // both skip NaN.
@@ -1588,9 +1558,9 @@ fn spread(
         if c > max {
             max = c;
         }
-        kept += 1;
+        count += 1;
     }
-    (min, max, kept)
+    (min, max, count)
 }
 
 /// What the lowest-cost scans keep from one route to the next: the two-pass scan's record of
