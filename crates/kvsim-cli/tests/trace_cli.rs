@@ -24,19 +24,19 @@ fn kvsim(args: &[&str]) -> (i32, String, String) {
     )
 }
 
-fn temp_file(name: &str, text: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kvsim-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let p = dir.join(name);
+/// `text` written to `name` in `dir`, which is removed with everything in it when dropped.
+fn temp_file(dir: &tempfile::TempDir, name: &str, text: &str) -> PathBuf {
+    let p = dir.path().join(name);
     std::fs::write(&p, text).unwrap();
     p
 }
 
 #[test]
 fn cli_trace_errors_exit_2_with_file_and_line() {
+    let dir = tempfile::tempdir().unwrap();
     let good = GOOD.to_string();
     let bad = format!("{good}\n{{\"timestamp\": 99999, \"input_length\": -4, \"output_length\": 1, \"hash_ids\": []}}");
-    let p = temp_file("bad.jsonl", &bad);
+    let p = temp_file(&dir, "bad.jsonl", &bad);
     let p = p.to_str().unwrap();
     let (code, out, err) = kvsim(&["--trace", p, "--trace-block-size", "16"]);
     assert_eq!(code, 2);
@@ -45,7 +45,7 @@ fn cli_trace_errors_exit_2_with_file_and_line() {
         err.trim(),
         format!("kvsim: {p}:7: input_length: expected a whole number from 0 to 16777216, got -4")
     );
-    let g = temp_file("good.jsonl", &good);
+    let g = temp_file(&dir, "good.jsonl", &good);
     let g = g.to_str().unwrap();
     let (code, _, err) = kvsim(&[
         "--trace",
@@ -86,8 +86,9 @@ fn cli_trace_errors_exit_2_with_file_and_line() {
 
 #[test]
 fn cli_sweep_rows_csv_json_and_plot() {
-    let csv = temp_file("sweep.csv", "");
-    let svg = temp_file("sweep.svg", "");
+    let dir = tempfile::tempdir().unwrap();
+    let csv = temp_file(&dir, "sweep.csv", "");
+    let svg = temp_file(&dir, "sweep.svg", "");
     let (code, out, err) = kvsim(&[
         "sweep",
         "--param",
