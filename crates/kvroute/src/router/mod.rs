@@ -1114,14 +1114,18 @@ impl Router {
     /// Copies worker `i`'s load (none when its slot is empty) into the vectors the scans read,
     /// keeping `busy_slots`. Every change of a worker's load ends here.
     fn mirror(&mut self, i: usize) {
-        let was = self.over(i, self.busy_limits);
+        // Without a threshold nobody is busy (`set_busy_threshold` counts afresh).
+        let counted = self.config.busy.is_some();
+        let was = counted && self.over(i, self.busy_limits);
         let (active, pending, decode) = self.slots[i]
             .as_ref()
             .map_or((0, 0, 0), |l| (l.blocks.len(), l.pending, l.decode.len()));
         self.active[i] = active;
         self.pending[i] = pending;
         self.decode[i] = decode;
-        self.count_busy(was, i);
+        if counted {
+            self.count_busy(was, i);
+        }
     }
 
     /// Counts worker `i`'s change in `busy_slots`, given whether it was busy before.
