@@ -1249,12 +1249,12 @@ impl Router {
     /// The `Kv` policy's choice: among the workers not busy (all, when every one is busy: then
     /// the least loaded), the lowest cost, or a sample at the router's temperature.
     fn choose_kv(&mut self, weight: f64, n: usize) -> usize {
-        // Busy when decode > limits.0 or pending > limits.1 (see `BusyThreshold::limits`).
-        // Nobody busy: every worker is scanned, without the test.
-        let thresholds = self.busy_slots > 0;
+        // Busy when decode > limits.0 or pending > limits.1 (see `BusyThreshold::limits`), or
+        // by its engine's report. While nobody is, the scans take every member untested.
+        let some_busy = self.busy_slots > 0;
         let limits = self.busy_limits;
         let t = self.config.temperature;
-        if t == 0.0 && !thresholds && self.lower.is_empty() {
+        if t == 0.0 && !some_busy && self.lower.is_empty() {
             // The common case, written out: the same scan through `Costs::scan` ran 5–10%
             // slower at 1,024 workers with the prefill-aware cost (the compiler's choices, not
             // the loop's instructions, which read alike).
@@ -1281,7 +1281,7 @@ impl Router {
         }
         // The workers not busy, in member order: the scans take them without a busy test.
         self.refresh_free();
-        let scanned = if thresholds {
+        let scanned = if some_busy {
             &self.free_members[..]
         } else {
             &self.members[..]
