@@ -325,7 +325,7 @@ fn route_tokens(c: &mut Criterion) {
 /// `prefill_done`, as they need), temperature sampling, predicted blocks that lapse after 50
 /// requests (1 ms each on the clock). While nobody is busy the router's scan skips the busy
 /// test, so the threshold is measured a second time with one worker busy by its engine's report
-/// (more waiting requests than the limit): every scan then tests each worker.
+/// (more waiting requests than the limit): the scans then take the list of the others.
 fn route_model(c: &mut Criterion) {
     let mut group = c.benchmark_group("route + finish, options on");
     group.throughput(Throughput::Elements(1));

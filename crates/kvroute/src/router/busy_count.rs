@@ -5,8 +5,8 @@
 
 use std::time::Duration;
 
-use kvblock::BlockHash;
 use kvcache::WorkerId;
+use kvtest::chains::path;
 use proptest::prelude::*;
 
 use super::Router;
@@ -16,7 +16,8 @@ const WORKERS: u64 = 3;
 
 #[derive(Debug, Clone)]
 enum Op {
-    /// Replica `r` routes the chain of these codes.
+    /// Replica `r` routes the chain of these codes (sequence hashes: lists that start alike
+    /// share their leading blocks).
     Route {
         r: usize,
         codes: Vec<u8>,
@@ -156,14 +157,7 @@ proptest! {
         for op in ops {
             match op {
                 Op::Route { r, codes } => {
-                    let mut parent = 0u64;
-                    let blocks: Vec<BlockHash> = codes
-                        .iter()
-                        .map(|&c| {
-                            parent = parent.wrapping_mul(31).wrapping_add(u64::from(c) + 1);
-                            BlockHash::new(parent)
-                        })
-                        .collect();
+                    let blocks = path(&codes, 4);
                     next += 1;
                     let id = RequestId::new(next);
                     if routers[r].route(id, &blocks, Role::Unified).is_ok() {
