@@ -67,6 +67,8 @@ impl FromStr for CostModel {
 /// queue a worker already has counts with the same weight as the prefill this request would add;
 /// the source document's [`cost`](crate::cost) counts it once, like decode load.
 ///
+/// The blocks are added as floats, which is exact for any sum below 2^53.
+///
 /// ```
 /// use kvroute::{cost, prefill_aware_cost};
 /// // W0 holds 8 of the 10 blocks but still prefills 30 uncached blocks of an earlier request;
@@ -84,8 +86,35 @@ pub fn prefill_aware_cost(
     pending_prefill_blocks: usize,
     decode_blocks: usize,
 ) -> f64 {
-    let prefill = pending_prefill_blocks.saturating_add(request_blocks.saturating_sub(cache_hits));
-    overlap_weight * prefill as f64 + decode_blocks as f64
+    let (pending, decode) = (pending_prefill_blocks as f64, decode_blocks as f64);
+    prefill_aware(
+        overlap_weight,
+        missing(request_blocks, cache_hits),
+        pending,
+        decode,
+    )
+}
+
+/// The blocks of a request of `request_blocks` that a worker with `cache_hits` lacks, as a
+/// float (what both costs weigh by the overlap weight).
+#[inline]
+pub(crate) fn missing(request_blocks: usize, cache_hits: usize) -> f64 {
+    request_blocks.saturating_sub(cache_hits) as f64
+}
+
+/// [`cost`] from the blocks missing and the active blocks as floats: the router keeps its
+/// workers' loads as floats too, so that its scan converts nothing per worker but the
+/// blocks missing.
+#[inline]
+pub(crate) fn seed(overlap_weight: f64, missing: f64, active: f64) -> f64 {
+    overlap_weight * missing + active
+}
+
+/// [`prefill_aware_cost`] from floats, as [`seed`] is [`cost`]. The pending and missing blocks
+/// add as floats: exactly their sum for any count below 2^53.
+#[inline]
+pub(crate) fn prefill_aware(overlap_weight: f64, missing: f64, pending: f64, decode: f64) -> f64 {
+    overlap_weight * (pending + missing) + decode
 }
 
 /// When a worker is too busy to take a request (see
@@ -339,27 +368,64 @@ pub fn cost(
     cache_hits: usize,
     active_blocks: usize,
 ) -> f64 {
-    overlap_weight * request_blocks.saturating_sub(cache_hits) as f64 + active_blocks as f64
+    seed(
+        overlap_weight,
+        missing(request_blocks, cache_hits),
+        active_blocks as f64,
+    )
 }
 
-/// A worker's cost under `model`, from its load `(active, pending prefill, decode)` blocks.
+/// A worker's cost under `model`, from the blocks it lacks and its load as floats: `active`
+/// blocks, and `queued`, its pending prefill and decode blocks.
 #[inline]
 pub(crate) fn score(
     model: CostModel,
     weight: f64,
-    n: usize,
-    hits: usize,
-    (active, pending, decode): (usize, usize, usize),
+    missing: f64,
+    active: f64,
+    queued: [f64; 2],
 ) -> f64 {
     match model {
-        CostModel::Seed => cost(weight, n, hits, active),
-        CostModel::PrefillAware => prefill_aware_cost(weight, n, hits, pending, decode),
+        CostModel::Seed => seed(weight, missing, active),
+        CostModel::PrefillAware => prefill_aware(weight, missing, queued[0], queued[1]),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    /// Counts of blocks up to 2^52, with the edges.
+    fn blocks() -> impl Strategy<Value = usize> {
+        prop_oneof![0usize..1_000, 0usize..(1 << 52), Just(1 << 52)]
+    }
+
+    proptest! {
+        /// The costs from floats are the costs as integers define them: the prefill-aware sum
+        /// added as integers, then converted; the seed's term by term.
+        #[test]
+        fn float_costs_are_the_integer_formulas(
+            weight in prop_oneof![Just(0.0), Just(1.0), 0.0f64..1e6],
+            n in blocks(),
+            hits in blocks(),
+            pending in blocks(),
+            decode in blocks(),
+            active in blocks(),
+        ) {
+            let lacking = n.saturating_sub(hits);
+            let want = weight * (pending + lacking) as f64 + decode as f64;
+            let got = prefill_aware_cost(weight, n, hits, pending, decode);
+            prop_assert_eq!(got.to_bits(), want.to_bits());
+            let queued = [pending as f64, decode as f64];
+            let scored = score(CostModel::PrefillAware, weight, missing(n, hits), 0.0, queued);
+            prop_assert_eq!(scored.to_bits(), want.to_bits());
+            let want = weight * lacking as f64 + active as f64;
+            prop_assert_eq!(cost(weight, n, hits, active).to_bits(), want.to_bits());
+            let scored = score(CostModel::Seed, weight, missing(n, hits), active as f64, [0.0; 2]);
+            prop_assert_eq!(scored.to_bits(), want.to_bits());
+        }
+    }
 
     #[test]
     fn softmax_follows_its_formula() {

@@ -325,6 +325,7 @@ impl RouterBuilder {
             index,
             slots: Vec::new(),
             active: Vec::new(),
+            queued: Vec::new(),
             pending: Vec::new(),
             decode: Vec::new(),
             reported_kv: Vec::new(),
