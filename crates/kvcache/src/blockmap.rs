@@ -45,7 +45,7 @@ const LOAD_EIGHTHS: usize = 7;
 const MAX_KICKS: usize = 64;
 /// Keys whose buckets [`BlockMap::warm_ahead`] reads ahead of updating them: about as many
 /// lines as a core keeps loading at once (on the block-16 simulation, 24 to 64 ran alike and 16
-/// a tenth slower).
+/// a tenth slower with first-level hints; 16 to 64 alike with second-level ones).
 const LOOKAHEAD: usize = 32;
 
 #[derive(Debug, Clone, Copy)]
@@ -378,7 +378,8 @@ impl<V: Vacant, const N: usize> BlockMap<V, N> {
     /// loading the buckets of the key [`LOOKAHEAD`] positions ahead (at position 0, of the first
     /// [`LOOKAHEAD`] keys), so that each update finds its lines in cache, where its misses
     /// would otherwise be paid after the last update's. With a prefetch hint the window slides
-    /// key by key, every key's lines requested as long before its update; without one, every
+    /// key by key, every key's lines requested as long before its update (into the second-level
+    /// cache: [`prefetch_far`](prefetch::prefetch_far)); without one, every
     /// [`LOOKAHEAD`]-th position reads one word of each of the next keys' lines (reads that do
     /// not depend on each other, so their misses overlap).
     #[inline]
@@ -392,7 +393,9 @@ impl<V: Vacant, const N: usize> BlockMap<V, N> {
                 _ => keys.get(at + LOOKAHEAD - 1..at + LOOKAHEAD).unwrap_or(&[]),
             };
             for k in ahead {
-                self.prefetch_key(k);
+                let (a, b) = self.buckets_of(k.get());
+                prefetch::prefetch_far(&self.buckets[a]);
+                prefetch::prefetch_far(&self.buckets[b]);
             }
         } else if at % LOOKAHEAD == 0 {
             let mut touched = 0;
