@@ -19,7 +19,7 @@ pub(crate) fn prefetch<T>(r: &T) {
 /// [`prefetch`] into the second-level cache and below, not the first: for a line needed many
 /// accesses later. A first-level hint holds one of that level's few miss buffers until its
 /// line arrives, so a long read-ahead of them stalls on the buffers (on the block-16
-/// simulation, whose updates read 32 keys ahead, this one ran 10-15% faster).
+/// simulation, whose updates read 32 keys ahead, this one ran about a tenth faster).
 #[inline(always)]
 pub(crate) fn prefetch_far<T>(r: &T) {
     hint::<true, T>(r);
