@@ -393,9 +393,7 @@ impl<V: Vacant, const N: usize> BlockMap<V, N> {
                 _ => keys.get(at + LOOKAHEAD - 1..at + LOOKAHEAD).unwrap_or(&[]),
             };
             for k in ahead {
-                let (a, b) = self.buckets_of(k.get());
-                prefetch::prefetch_far(&self.buckets[a]);
-                prefetch::prefetch_far(&self.buckets[b]);
+                self.hint_lines::<true>(k);
             }
         } else if at % LOOKAHEAD == 0 {
             let mut touched = 0;
@@ -412,9 +410,21 @@ impl<V: Vacant, const N: usize> BlockMap<V, N> {
     #[inline]
     pub(crate) fn prefetch_key(&self, key: &BlockHash) {
         if prefetch::HINTS && !self.buckets.is_empty() {
-            let (a, b) = self.buckets_of(key.get());
-            prefetch::prefetch(&self.buckets[a]);
-            prefetch::prefetch(&self.buckets[b]);
+            self.hint_lines::<false>(key);
+        }
+    }
+
+    /// Hints both lines of `key` (the table is not empty): into the second-level cache when
+    /// `FAR` ([`prefetch_far`](prefetch::prefetch_far)), else the first.
+    #[inline(always)]
+    fn hint_lines<const FAR: bool>(&self, key: &BlockHash) {
+        let (a, b) = self.buckets_of(key.get());
+        for line in [&self.buckets[a], &self.buckets[b]] {
+            if FAR {
+                prefetch::prefetch_far(line);
+            } else {
+                prefetch::prefetch(line);
+            }
         }
     }
 
